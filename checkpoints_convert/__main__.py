@@ -1,0 +1,3 @@
+from checkpoints_convert.cli import main
+
+main()

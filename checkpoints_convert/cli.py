@@ -1,0 +1,49 @@
+"""jaxspec-convert [SRC] --out DIR [--to {jaxspec,hf}] [--if-missing]"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from jaxspec.checkpoint import default_model_dir, is_checkpoint
+from jaxspec.cli import run_main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="jaxspec-convert",
+        description="Convert an HF folder (safetensors) or a .gguf file into a jaxspec "
+        "checkpoint, or a jaxspec checkpoint back to HF (--to hf). With no SRC, converts "
+        "the packaged default model (SmolLM2-135M-Instruct) into the user cache.",
+    )
+    p.add_argument("src", nargs="?", type=Path, help="HF folder, .gguf file or jaxspec checkpoint")
+    p.add_argument("--out", type=Path, help="output folder (default: the user cache for SRC-less runs)")
+    p.add_argument("--to", choices=("jaxspec", "hf"), default="jaxspec", help="output format")
+    p.add_argument("--if-missing", action="store_true", help="do nothing if OUT already holds a checkpoint")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    run_main(_main, argv)
+
+
+def _main(argv) -> None:
+    from checkpoints_convert.convert import convert
+    from checkpoints_convert.default_model import packaged_gguf
+
+    args = parse_args(argv)
+    src = args.src or packaged_gguf()
+    out = args.out or (default_model_dir() if args.src is None else None)
+    if out is None:
+        raise SystemExit("jaxspec-convert: error: --out DIR is required when SRC is given")
+    if args.if_missing and args.to == "jaxspec" and is_checkpoint(out):
+        print(f"checkpoint already at {out}")
+        return
+    start = time.perf_counter()
+    convert(src, out, args.to)
+    print(f"converted {src} -> {out} ({args.to}) in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Load a model from any supported source and write it in jaxspec's or HF's format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkpoints_convert.from_gguf import load_gguf
+from checkpoints_convert.hf import load_hf_folder, load_tokenizer, save_hf_folder
+from jaxspec.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
+from jaxspec.errors import JaxspecError
+
+
+def load_any(src: Path):
+    """(config, params, tokenizer | None) from a .gguf, an HF folder or a jaxspec checkpoint."""
+    src = Path(src)
+    if not src.exists():
+        raise JaxspecError(f"no such file or folder: {src}")
+    if src.is_file():
+        if src.suffix != ".gguf":
+            raise JaxspecError(f"{src} is not a .gguf file; pass a .gguf or an HF model folder")
+        return load_gguf(src)
+    if is_checkpoint(src):
+        cfg, params = load_checkpoint(src)
+        return cfg, params, load_tokenizer(src)
+    return load_hf_folder(src)
+
+
+def convert(src: Path, out: Path, to: str = "jaxspec") -> None:
+    cfg, params, tokenizer = load_any(src)
+    if to == "jaxspec":
+        save_checkpoint(Path(out), cfg, params, tokenizer)
+    elif to == "hf":
+        save_hf_folder(Path(out), cfg, params, tokenizer)
+    else:
+        raise JaxspecError(f"unknown output format {to!r}; use 'jaxspec' or 'hf'")

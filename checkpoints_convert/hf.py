@@ -1,0 +1,80 @@
+"""Hugging Face folders (config.json + safetensors, sharded or not) in and out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from checkpoints_convert.keys import params_from_hf, params_to_hf
+from jaxspec.checkpoint import flatten_params
+from jaxspec.config import LlamaConfig
+from jaxspec.errors import JaxspecError
+
+
+def read_hf_config(folder: Path) -> LlamaConfig:
+    file = folder / "config.json"
+    if not file.is_file():
+        raise JaxspecError(f"{folder} has no config.json; pass an HF model folder or a .gguf file")
+    try:
+        return LlamaConfig.from_hf_config(json.loads(file.read_text()))
+    except (ValueError, KeyError) as e:
+        raise JaxspecError(f"cannot read {file}: {e!r}") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise JaxspecError(f"{folder} is missing shards listed in its index: {', '.join(absent)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise JaxspecError(
+            f"{folder} has no *.safetensors weights (PyTorch .bin files are not supported; "
+            "re-save the model with safe_serialization=True)"
+        )
+    return files
+
+
+def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
+    tensors = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="flax") as f:
+                for key in f.keys():  # noqa: SIM118 (not a dict)
+                    tensors[key] = np.asarray(f.get_tensor(key))
+        except (SafetensorError, OSError) as e:
+            raise JaxspecError(f"corrupt safetensors file {file}: {e}; download it again") from None
+    return tensors
+
+
+def load_hf_folder(folder: Path) -> tuple[LlamaConfig, dict, object]:
+    cfg = read_hf_config(folder)
+    params = params_from_hf(read_safetensors(safetensors_files(folder)), cfg, str(folder))
+    return cfg, params, load_tokenizer(folder)
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or None when it has none (weights-only models)."""
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def save_hf_folder(out: Path, cfg: LlamaConfig, params: dict, tokenizer=None) -> None:
+    """Write config.json + model.safetensors that transformers' LlamaForCausalLM loads."""
+    out.mkdir(parents=True, exist_ok=True)
+    flat = {k: np.asarray(v) for k, v in flatten_params(params).items()}
+    save_file(params_to_hf(flat, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))

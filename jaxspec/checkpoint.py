@@ -1,0 +1,135 @@
+"""jaxspec's checkpoint folder: jaxspec.json (config) + model.safetensors + tokenizer files.
+
+Tensors are stored under flat names in jaxspec's layout ([in, out] linear weights):
+`embed_tokens`, `layers.{i}.q_proj`, ..., `norm`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.flax import save_file
+
+from jaxspec.config import LlamaConfig
+from jaxspec.errors import JaxspecError
+
+CONFIG_FILE = "jaxspec.json"
+WEIGHTS_FILE = "model.safetensors"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def jaxspec_home() -> Path:
+    """Root of jaxspec's user cache ($JAXSPEC_HOME, default ~/.cache/jaxspec)."""
+    return Path(os.environ.get("JAXSPEC_HOME") or Path.home() / ".cache" / "jaxspec")
+
+
+def default_model_dir() -> Path:
+    return jaxspec_home() / "models" / DEFAULT_MODEL_NAME
+
+
+def default_dtype():
+    """float32 on CPU (bfloat16 is ~6x slower there under XLA), bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def flatten_params(params: dict) -> dict[str, jax.Array]:
+    flat = {k: v for k, v in params.items() if k != "layers"}
+    for i, layer in enumerate(params["layers"]):
+        flat.update({f"layers.{i}.{name}": w for name, w in layer.items()})
+    return flat
+
+
+def unflatten_params(flat: dict[str, jax.Array], n_layers: int) -> dict:
+    params: dict = {"layers": [{} for _ in range(n_layers)]}
+    for key, w in flat.items():
+        if key.startswith("layers."):
+            _, i, name = key.split(".", 2)
+            params["layers"][int(i)][name] = w
+        else:
+            params[key] = w
+    return params
+
+
+def save_checkpoint(out: Path, cfg: LlamaConfig, params: dict, tokenizer=None) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = {k: jnp.asarray(v) for k, v in flatten_params(params).items()}
+    tmp = out / (WEIGHTS_FILE + ".partial")
+    save_file(flat, str(tmp), metadata={"format": "jaxspec"})
+    tmp.replace(out / WEIGHTS_FILE)  # a crash mid-write never leaves a half checkpoint
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    cfg.save(out / CONFIG_FILE)  # written last: its presence marks a complete checkpoint
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file() and (Path(path) / WEIGHTS_FILE).is_file()
+
+
+def load_params(path: Path, cfg: LlamaConfig, dtype=None) -> dict:
+    dtype = dtype or default_dtype()
+    file = Path(path) / WEIGHTS_FILE
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            flat = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as e:
+        raise JaxspecError(
+            f"corrupt or unreadable weights {file} ({e}); delete the folder and convert again"
+        ) from None
+    params = unflatten_params({k: jnp.asarray(v, dtype) for k, v in flat.items()}, cfg.n_layers)
+    check_params(params, cfg)
+    return params
+
+
+def load_checkpoint(path: Path, dtype=None) -> tuple[LlamaConfig, dict]:
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise JaxspecError(
+            f"no jaxspec checkpoint at {path} (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
+            "create one with `jaxspec-convert SRC --out DIR`"
+        )
+    cfg = LlamaConfig.load(path / CONFIG_FILE)
+    return cfg, load_params(path, cfg, dtype)
+
+
+def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Flat name -> shape of every tensor a checkpoint of this config must hold."""
+    D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    shapes = {"embed_tokens": (cfg.vocab_size, D), "norm": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (D, cfg.vocab_size)
+    layer = {
+        "input_layernorm": (D,),
+        "q_proj": (D, N * H),
+        "k_proj": (D, K * H),
+        "v_proj": (D, K * H),
+        "o_proj": (N * H, D),
+        "post_attention_layernorm": (D,),
+        "gate_proj": (D, F),
+        "up_proj": (D, F),
+        "down_proj": (F, D),
+    }
+    for i in range(cfg.n_layers):
+        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def check_params(params: dict, cfg: LlamaConfig) -> None:
+    """One error listing every missing, unexpected or misshapen tensor."""
+    want = expected_shapes(cfg)
+    have = {k: tuple(np.shape(v)) for k, v in flatten_params(params).items()}
+    problems = [f"missing {k}" for k in want if k not in have]
+    problems += [f"unexpected {k}" for k in have if k not in want]
+    problems += [
+        f"{k} has shape {have[k]}, expected {want[k]}"
+        for k in want
+        if k in have and have[k] != want[k]
+    ]
+    if problems:
+        shown = "; ".join(problems[:12]) + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else "")
+        raise JaxspecError(f"weights do not match the {cfg.name} config: {shown}")

@@ -1,0 +1,269 @@
+"""Frozen, hashable model configuration (usable as a static jit argument).
+
+Axis legend used across jaxspec: B batch, T new tokens, S cache length, N query heads,
+K kv heads, G = N // K query heads per kv head, H head dim, D model dim, F mlp dim,
+V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: "default" | "linear" | "llama3"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        if self.kind not in ("default", "linear", "llama3"):
+            raise JaxspecError(
+                f"unsupported rope scaling {self.kind!r}; supported: default, linear, llama3"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int = 0  # 0 means dim // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    tie_embeddings: bool = False
+    max_position: int = 4096
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    name: str = "llama"
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise JaxspecError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise JaxspecError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def n_params(self) -> int:
+        D, F, H, L, V = self.dim, self.ffn_dim, self.head_dim, self.n_layers, self.vocab_size
+        attn = D * H * (2 * self.n_heads + 2 * self.n_kv_heads)
+        per_layer = attn + 3 * D * F + 2 * D
+        return L * per_layer + V * D * (1 if self.tie_embeddings else 2) + D
+
+    # ---- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        d = dict(d)
+        d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise JaxspecError(f"unknown config keys {sorted(unknown)}; is this a jaxspec config?")
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> LlamaConfig:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise JaxspecError(f"cannot read model config {path}: {e}") from None
+
+    # ---- Hugging Face -------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: Any) -> LlamaConfig:
+        """From a transformers LlamaConfig or its dict (transformers 4.x and 5.x)."""
+        d = hf if isinstance(hf, dict) else hf.to_dict()
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type", "llama")
+        if model_type not in ("llama", "mistral") and "LlamaForCausalLM" not in archs:
+            raise JaxspecError(
+                f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no name'}); "
+                "jaxspec supports Llama-family models (model_type 'llama')"
+            )
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise JaxspecError("Llama with attention/mlp biases is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise JaxspecError(f"unsupported activation {d['hidden_act']!r}; expected 'silu'")
+        # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.get("rope_theta", d.get("rope_theta")) or 10000.0
+        eos = d.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=d["vocab_size"],
+            dim=d["hidden_size"],
+            n_layers=d["num_hidden_layers"],
+            n_heads=d["num_attention_heads"],
+            n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            ffn_dim=d["intermediate_size"],
+            head_dim=d.get("head_dim") or 0,
+            norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=_rope_scaling_from_hf(rope),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position=d.get("max_position_embeddings", 4096),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos,
+            name=d.get("_name_or_path") or model_type,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json for transformers' LlamaForCausalLM."""
+        rs = self.rope_scaling
+        scaling = None
+        if rs.kind == "linear":
+            scaling = {"rope_type": "linear", "factor": rs.factor}
+        elif rs.kind == "llama3":
+            scaling = {
+                "rope_type": "llama3",
+                "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor,
+                "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position,
+            }
+        eos = list(self.eos_token_ids)
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.ffn_dim,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": scaling,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_position,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+
+def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling:
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", factor=float(rope["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    return RopeScaling(kind)  # raises the unsupported-scaling error
+
+
+# ---- presets ------------------------------------------------------------------------
+def _llama2(name: str, dim: int, layers: int, heads: int, ffn: int, vocab: int = 32000, **kw):
+    return LlamaConfig(
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=heads,
+        ffn_dim=ffn,
+        max_position=4096,
+        name=name,
+        **kw,
+    )
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    "smollm2-135m": LlamaConfig(
+        vocab_size=49152,
+        dim=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        ffn_dim=1536,
+        norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_embeddings=True,
+        max_position=8192,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="SmolLM2-135M-Instruct",
+    ),
+    "llama-2-7b": _llama2("Llama-2-7B", 4096, 32, 32, 11008),
+    "llama-2-13b": _llama2("Llama-2-13B", 5120, 40, 40, 13824),
+    "vicuna-7b": _llama2("Vicuna-7B", 4096, 32, 32, 11008),
+    "vicuna-13b": _llama2("Vicuna-13B", 5120, 40, 40, 13824),
+    "codellama-7b": _llama2(
+        "CodeLlama-7B", 4096, 32, 32, 11008, vocab=32016, rope_theta=1e6, norm_eps=1e-5
+    ),
+    "codellama-13b": _llama2(
+        "CodeLlama-13B", 5120, 40, 40, 13824, vocab=32016, rope_theta=1e6, norm_eps=1e-5
+    ),
+    "llama-3-8b": LlamaConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        rope_theta=500000.0,
+        max_position=8192,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+        name="Llama-3-8B",
+    ),
+    # Tiny configs for tests: prime-ish sizes so transposes cannot hide.
+    "tiny-mha": LlamaConfig(
+        vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=88, name="tiny-mha"
+    ),
+    "tiny-gqa": LlamaConfig(
+        vocab_size=97, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=88, name="tiny-gqa"
+    ),
+    "tiny-mqa": LlamaConfig(
+        vocab_size=97,
+        dim=48,
+        n_layers=2,
+        n_heads=3,
+        n_kv_heads=1,
+        ffn_dim=72,
+        tie_embeddings=True,
+        name="tiny-mqa",
+    ),
+}
+
+
+def preset(name: str) -> LlamaConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise JaxspecError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

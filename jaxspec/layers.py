@@ -1,0 +1,76 @@
+"""Llama building blocks: RMSNorm, RoPE (HF split-half convention), SwiGLU, attention."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import LlamaConfig, RopeScaling
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] normalised in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse frequencies [H/2] (a trace-time constant)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated smoothly (Llama 3.1's scheme).
+        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = np.where(
+            wavelen > low_wavelen,
+            inv_freq / scaling.factor,
+            np.where(wavelen < high_wavelen, inv_freq, interpolated),
+        )
+    return inv_freq.astype(np.float32)
+
+
+def rope_tables(cfg: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [B,T] -> cos, sin [B,T,1,H/2] in float32."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,H/2]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B,T,heads,H]; rotates the pairs (i, i + H/2) as HF's rotate_half does."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """x [B,T,D] -> [B,T,D]: down(silu(gate(x)) * up(x))."""
+    return (jax.nn.silu(x @ p["gate_proj"]) * (x @ p["up_proj"])) @ p["down_proj"]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention over a full cache.
+
+    q [B,T,N,H], k and v [B,S,K,H], mask [B,T,S] (True = may attend) -> [B,T,N*H].
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(H)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B,K,G,T,S]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(B, T, N * H)

@@ -1,0 +1,134 @@
+"""The Llama model as pure functions of an explicit parameter pytree.
+
+params = {
+  "embed_tokens": [V,D],
+  "layers": [{"input_layernorm": [D], "q_proj": [D,N*H], "k_proj": [D,K*H],
+              "v_proj": [D,K*H], "o_proj": [N*H,D], "post_attention_layernorm": [D],
+              "gate_proj": [D,F], "up_proj": [D,F], "down_proj": [F,D]}, ...],  # L layers
+  "norm": [D],
+  "lm_head": [D,V],  # absent when embeddings are tied
+}
+Linear weights are stored [in, out] (HF stores [out, in]); names mirror HF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import LlamaConfig
+from jaxspec.kv_cache import KVCache, cache_attention_mask, write_rows
+from jaxspec.layers import apply_rope, attention, rms_norm, rope_tables, swiglu_mlp
+
+Params = dict
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens [B,T] -> hidden [B,T,D]."""
+    return jnp.take(params["embed_tokens"], tokens, axis=0)
+
+
+def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, lengths, mask):
+    """One block. h [B,T,D]; caches [B,S,K,H]; returns h and the caches with h's KV written."""
+    B, T, _ = h.shape
+    x = rms_norm(h, p["input_layernorm"], cfg.norm_eps)
+    q = (x @ p["q_proj"]).reshape(B, T, cfg.n_heads, cfg.head_dim)
+    k = (x @ p["k_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    v = (x @ p["v_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache = write_rows(k_cache, k, lengths)
+    v_cache = write_rows(v_cache, v, lengths)
+    h = h + attention(q, k_cache, v_cache, mask) @ p["o_proj"]
+    h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), p)
+    return h, k_cache, v_cache
+
+
+def run_layers(
+    params: Params,
+    cfg: LlamaConfig,
+    h: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    new_mask: jax.Array,
+    start: int = 0,
+    stop: int | None = None,
+    collect: Sequence[int] = (),
+) -> tuple[jax.Array, KVCache, dict[int, jax.Array]]:
+    """Run layers [start, stop) on hidden states h [B,T,D] at positions [B,T].
+
+    new_mask [B,T,T] says which new tokens see each other (causal for a chain, the tree
+    mask for a tree); every new token sees the row's committed cache. The KV of the new
+    tokens is written at slots [length, length + T) of the layers run; lengths are not
+    advanced. `collect` names layer counts i whose output (the state after i layers,
+    HF's hidden_states[i]) is returned in the dict.
+    """
+    stop = cfg.n_layers if stop is None else stop
+    cos, sin = rope_tables(cfg, positions)
+    mask = cache_attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S]
+    keys, values = list(cache.keys), list(cache.values)
+    collected = {start: h} if start in collect else {}
+    for i in range(start, stop):
+        h, keys[i], values[i] = decoder_layer(
+            cfg, params["layers"][i], h, cos, sin, keys[i], values[i], cache.lengths, mask
+        )
+        if i + 1 in collect:
+            collected[i + 1] = h
+    return h, cache.replace(keys=tuple(keys), values=tuple(values)), collected
+
+
+def lm_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
+    """Final norm and output projection: h [B,T,D] -> logits [B,T,V] in float32."""
+    x = rms_norm(h, params["norm"], cfg.norm_eps)
+    if cfg.tie_embeddings:
+        logits = jnp.einsum("btd,vd->btv", x, params["embed_tokens"])
+    else:
+        logits = x @ params["lm_head"]
+    return logits.astype(jnp.float32)
+
+
+def forward(
+    params: Params,
+    cfg: LlamaConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    new_mask: jax.Array,
+    collect: Sequence[int] = (),
+) -> tuple[jax.Array, KVCache, dict[int, jax.Array]]:
+    """tokens [B,T] -> logits [B,T,V], cache with their KV written, collected states."""
+    h, cache, collected = run_layers(
+        params, cfg, embed(params, tokens), positions, cache, new_mask, collect=collect
+    )
+    return lm_logits(params, cfg, h), cache, collected
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02):
+    """Random parameters (tests, and timing at 7B/13B shapes)."""
+    D, F, H = cfg.dim, cfg.ffn_dim, cfg.head_dim
+    shapes = {
+        "q_proj": (D, cfg.n_heads * H),
+        "k_proj": (D, cfg.n_kv_heads * H),
+        "v_proj": (D, cfg.n_kv_heads * H),
+        "o_proj": (cfg.n_heads * H, D),
+        "gate_proj": (D, F),
+        "up_proj": (D, F),
+        "down_proj": (F, D),
+    }
+    keys = iter(jax.random.split(key, cfg.n_layers * len(shapes) + 2))
+
+    def normal(shape):
+        return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    layers = []
+    for _ in range(cfg.n_layers):
+        layer = {name: normal(shape) for name, shape in shapes.items()}
+        layer["input_layernorm"] = jnp.ones((D,), dtype)
+        layer["post_attention_layernorm"] = jnp.ones((D,), dtype)
+        layers.append(layer)
+    params = {"embed_tokens": normal((cfg.vocab_size, D)), "layers": layers}
+    params["norm"] = jnp.ones((D,), dtype)
+    if not cfg.tie_embeddings:
+        params["lm_head"] = normal((D, cfg.vocab_size))
+    return params
