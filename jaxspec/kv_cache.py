@@ -26,8 +26,10 @@ class KVCache:
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
-    return KVCache(keys=zeros, values=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+    def buffers():
+        return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+
+    return KVCache(keys=buffers(), values=buffers(), lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:

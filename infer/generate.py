@@ -1,0 +1,81 @@
+"""jaxspec-generate: generate from one prompt, streaming text or printing one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from infer.common import METHODS, check_method, load_model
+from jaxspec.cli import run_main
+from jaxspec.generate import ARGenerator
+from jaxspec.sampling import Sampling
+from jaxspec.text import TextStream, encode_prompt
+
+ALL_METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="jaxspec-generate", description=__doc__)
+    p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    p.add_argument("--method", default="ar", help=f"one of {', '.join(ALL_METHODS)} (available: {', '.join(METHODS)})")
+    p.add_argument("--model", type=Path, help="jaxspec checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", type=Path, help="drafter folder (default: the one shipped for the model)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, help="cache length limit (default: the model's context)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    run_main(_main, argv)
+
+
+def _main(argv) -> None:
+    args = parse_args(argv)
+    check_method(args.method)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model = load_model(args.model)
+    prompt_ids = encode_prompt(model.tokenizer, prompt, chat=not args.no_chat)
+    generator = ARGenerator(model.cfg, model.params, sampling, args.max_len)
+
+    stream = None if args.json else TextStream(model.tokenizer)
+
+    def show(ids):
+        print(stream.push(ids), end="", flush=True)
+
+    result = generator.generate(prompt_ids, args.max_new_tokens, args.seed, None if args.json else show)
+    text = model.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    summary = {
+        "method": args.method,
+        "text": text,
+        "token_ids": result.token_ids,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": result.new_tokens,
+        "steps": result.steps,
+        "mean_accepted": result.mean_accepted,
+        "tokens_per_s": result.tokens_per_s,
+        "prefill_s": result.prefill_s,
+        "decode_s": result.decode_s,
+        "compile_s": result.compile_s,
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"\n[{args.method}] {result.new_tokens} tokens in {result.steps} steps "
+            f"({result.mean_accepted:.2f} tokens/step), {result.tokens_per_s:.1f} tokens/s; "
+            f"compile {result.compile_s:.1f} s",
+            file=sys.stderr,
+        )
+
+
+if __name__ == "__main__":
+    main()

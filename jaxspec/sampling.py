@@ -1,0 +1,71 @@
+"""Token selection: greedy, or sampling from the temperature/top-k/top-p warped distribution.
+
+`warped_logprobs` is *the model's distribution* that lossless speculative sampling must
+reproduce exactly, so every decoder samples through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1 means no nucleus."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise JaxspecError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise JaxspecError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise JaxspecError(f"--top-k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warped_logprobs(logits: jax.Array, s: Sampling) -> jax.Array:
+    """logits [..., V] -> log-probabilities [..., V], -inf outside the top-k/top-p support."""
+    logits = logits.astype(jnp.float32) / s.temperature
+    neg_inf = jnp.finfo(jnp.float32).min
+    if s.top_k:
+        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, neg_inf, logits)
+    if s.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        # Keep a token while the mass strictly before it is below top_p (the first always).
+        keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < s.top_p
+        keep = jnp.put_along_axis(
+            jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False
+        )
+        logits = jnp.where(keep, logits, neg_inf)
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def select_tokens(logits: jax.Array, keys: jax.Array, s: Sampling) -> jax.Array:
+    """logits [B,V], keys [B] (one PRNG key per row) -> tokens [B] int32."""
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = warped_logprobs(logits, s)
+    return jax.vmap(jax.random.categorical)(keys, logprobs).astype(jnp.int32)
+
+
+def position_keys(key: jax.Array, positions: jax.Array) -> jax.Array:
+    """One key per row derived from the position being sampled: positions [B] -> keys [B].
+
+    Tying randomness to positions (not to loop iterations) makes a run reproducible from
+    its seed whatever the number of tokens each step produces.
+    """
+    return jax.vmap(lambda p: jax.random.fold_in(key, p))(positions)
