@@ -1,0 +1,87 @@
+"""Fixtures: tiny random HF Llama models (prime-sized dims) saved with save_pretrained."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCAB = 101
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+def tiny_hf_config(n_kv_heads=2, tie=False, rope=None, n_layers=2):
+    from transformers import LlamaConfig
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, **(rope or {})}
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=83,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=n_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def tiny_hf_model(seed=0, **kw):
+    """A random float32 LlamaForCausalLM whose weights (norms too) are far from init."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_hf_config(**kw)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.15 * torch.randn_like(p))
+    return model
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over VOCAB tokens: <unk> <s> </s> user assistant w5 ... w100."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "user", "assistant"] + [f"w{i}" for i in range(5, VOCAB)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny(tmp: Path, name="hf", tokenizer=True, **kw) -> tuple[Path, object]:
+    model = tiny_hf_model(**kw)
+    folder = tmp / name
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer:
+        tiny_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """(jaxspec checkpoint folder, HF model) for a GQA model with a tokenizer."""
+    from checkpoints_convert.convert import convert
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    hf_dir, model = save_tiny(tmp, n_kv_heads=2)
+    convert(hf_dir, tmp / "jaxspec")
+    return tmp / "jaxspec", model

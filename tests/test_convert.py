@@ -1,0 +1,179 @@
+"""Converters: HF round trip, GGUF import, and one clear error for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoints_convert.cli import main as convert_main
+from checkpoints_convert.convert import convert
+from checkpoints_convert.from_gguf import unpermute_rope_rows
+from jaxspec.checkpoint import WEIGHTS_FILE, load_checkpoint
+from jaxspec.errors import JaxspecError
+from tests.conftest import VOCAB, save_tiny
+
+
+def hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_round_trip_hf_jaxspec_hf(tmp_path, tie):
+    from transformers import LlamaForCausalLM
+
+    hf_dir, model = save_tiny(tmp_path, tie=tie)
+    convert(hf_dir, tmp_path / "ours")
+    convert(tmp_path / "ours", tmp_path / "back", to="hf")
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    tokens = np.arange(5, 40)[None]
+    np.testing.assert_allclose(hf_logits(back, tokens), hf_logits(model, tokens), rtol=0, atol=0)
+    assert (tmp_path / "back" / "tokenizer.json").is_file()
+
+
+def test_unpermute_inverts_llama_cpp_order():
+    # llama.cpp's q/k layout, per head: (2, pair) -> (pair, 2).
+    w = np.arange(2 * 8 * 3).reshape(16, 3)
+    permuted = w.reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)
+    np.testing.assert_array_equal(unpermute_rope_rows(permuted, 2), w)
+
+
+def write_tiny_gguf(path, model):
+    """Write `model` as llama.cpp does: F32 tensors, q/k rows permuted, GGUF names."""
+    import gguf
+
+    cfg = model.config
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    def permute(x, heads):
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            x = sd[f"model.layers.{i}.{hf}.weight"]
+            if gg == "attn_q":
+                x = permute(x, cfg.num_attention_heads)
+            elif gg == "attn_k":
+                x = permute(x, cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_import_matches_hf(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, model = save_tiny(tmp_path, n_kv_heads=2, tokenizer=False)
+    write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    tokens = np.arange(3, 60)[None]
+    # transformers' own GGUF reader (an independent un-permute) agrees with the original...
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    np.testing.assert_allclose(hf_logits(theirs, tokens), hf_logits(model, tokens), atol=1e-5)
+    # ...and so does ours.
+    convert(tmp_path / "tiny.gguf", tmp_path / "ours")
+    from tests.test_parity_hf import jax_logits
+
+    np.testing.assert_allclose(jax_logits(tmp_path / "ours", tokens)[0], hf_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+
+# ---- bad inputs: one line, naming the problem and the fix ---------------------------
+
+
+def one_line_error(tmp_path, capsys, argv) -> str:
+    capsys.readouterr()  # drop what building the fixture printed
+    with pytest.raises(SystemExit) as exit_info:
+        convert_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_missing_source(tmp_path, capsys):
+    err = one_line_error(tmp_path, capsys, [str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert "no such file or folder" in err
+
+
+def test_corrupt_safetensors(tmp_path, capsys):
+    hf_dir, _ = save_tiny(tmp_path)
+    (hf_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
+    err = one_line_error(tmp_path, capsys, [str(hf_dir), "--out", str(tmp_path / "o")])
+    assert "corrupt safetensors" in err
+
+
+def test_wrong_architecture(tmp_path, capsys):
+    hf_dir, _ = save_tiny(tmp_path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    err = one_line_error(tmp_path, capsys, [str(hf_dir), "--out", str(tmp_path / "o")])
+    assert "unsupported architecture 'gpt2'" in err
+
+
+def test_missing_and_misshapen_keys_listed_together(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _ = save_tiny(tmp_path)
+    tensors = load_file(hf_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.extra.weight"] = np.zeros(3, np.float32)
+    save_file(tensors, hf_dir / "model.safetensors")
+    with pytest.raises(JaxspecError) as e:
+        convert(hf_dir, tmp_path / "o")
+    assert "missing model.layers.1.mlp.up_proj.weight" in str(e.value)
+    assert "unexpected model.extra.weight" in str(e.value)
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["intermediate_size"] = 84  # every mlp tensor is now the wrong shape
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    save_tiny(tmp_path, name="hf2")
+    (tmp_path / "hf2" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(JaxspecError, match=r"gate_proj has shape \(48, 83\), expected \(48, 84\)"):
+        convert(tmp_path / "hf2", tmp_path / "o")
+
+
+def test_corrupt_jaxspec_checkpoint(tiny_ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt[0], bad)
+    (bad / WEIGHTS_FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(JaxspecError, match="corrupt or unreadable weights .* convert again"):
+        load_checkpoint(bad)
+    with pytest.raises(JaxspecError, match="no jaxspec checkpoint at .*jaxspec-convert"):
+        load_checkpoint(tmp_path / "nothing")
+
+
+def test_not_a_gguf_file(tmp_path, capsys):
+    (tmp_path / "x.bin").write_bytes(b"1234")
+    err = one_line_error(tmp_path, capsys, [str(tmp_path / "x.bin"), "--out", str(tmp_path / "o")])
+    assert "not a .gguf file" in err
+    (tmp_path / "x.gguf").write_bytes(b"1234")
+    err = one_line_error(tmp_path, capsys, [str(tmp_path / "x.gguf"), "--out", str(tmp_path / "o")])
+    assert "cannot read GGUF file" in err
