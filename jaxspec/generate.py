@@ -17,8 +17,8 @@ import numpy as np
 
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.kv_cache import KVCache, advance, causal_mask, init_cache
-from jaxspec.llama import forward
+from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
+from jaxspec.llama import embed, forward, lm_logits, run_layers
 from jaxspec.sampling import Sampling, position_keys, select_tokens
 
 MIN_PROMPT_BUCKET = 16
@@ -26,29 +26,32 @@ MIN_CACHE_LEN = 128
 
 
 def bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
+    """Smallest size >= max(n, minimum) on the ladder 16, 24, 32, 48, 64, 96, ... (2^k and
+    1.5 * 2^k): at most a third of a bucket is padding, and few shapes ever compile."""
+    n = max(n, minimum)
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if n <= power * 3 // 4 and power >= 8 else power
 
 
-@partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def prefill(params, cfg: LlamaConfig, sampling: Sampling, tokens, lengths, cache: KVCache, key):
-    """tokens [B,P] right-padded, lengths [B] real prompt lengths -> first new tokens [B]."""
+@partial(jax.jit, static_argnames=("cfg", "sampling"))
+def prefill(params, tokens, lengths, cache: KVCache, key, *, cfg: LlamaConfig, sampling: Sampling):
+    """tokens [B,P] right-padded, lengths [B] real prompt lengths -> first new tokens [B],
+    the prompt's KVBlock (commit `lengths` of it)."""
     B, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P), (B, P))
-    logits, cache, _ = forward(params, cfg, tokens, positions, cache, causal_mask(B, P))
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,V]
-    cache = advance(cache, lengths)
-    return select_tokens(last, position_keys(key, lengths), sampling), cache
+    h, block, _ = run_layers(params, cfg, embed(params, tokens), positions, cache, causal_mask(B, P))
+    h_last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [B,1,D]
+    last = lm_logits(params, cfg, h_last)[:, 0]  # [B,V]: no vocab projection of the padding
+    return select_tokens(last, position_keys(key, lengths), sampling), block
 
 
-@partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def decode_step(params, cfg: LlamaConfig, sampling: Sampling, tokens, cache: KVCache, key):
-    """tokens [B] at positions cache.lengths -> the following tokens [B]."""
+@partial(jax.jit, static_argnames=("cfg", "sampling"))
+def decode_step(params, tokens, cache: KVCache, key, *, cfg: LlamaConfig, sampling: Sampling):
+    """tokens [B] at positions cache.lengths -> the following tokens [B], their KVBlock."""
     B = tokens.shape[0]
     positions = cache.lengths[:, None]
-    logits, cache, _ = forward(params, cfg, tokens[:, None], positions, cache, causal_mask(B, 1))
-    cache = advance(cache, 1)
-    return select_tokens(logits[:, 0], position_keys(key, cache.lengths), sampling), cache
+    logits, block, _ = forward(params, cfg, tokens[:, None], positions, cache, causal_mask(B, 1))
+    return select_tokens(logits[:, 0], position_keys(key, cache.lengths + 1), sampling), block
 
 
 @dataclasses.dataclass
@@ -79,7 +82,7 @@ class ARGenerator:
     def __init__(self, cfg: LlamaConfig, params, sampling: Sampling = Sampling(), max_len=None):
         self.cfg, self.params, self.sampling = cfg, params, sampling
         self.max_len = max_len or cfg.max_position
-        self._compiled: dict[tuple, Callable] = {}
+        self._executables: dict[tuple, Callable] = {}
 
     def cache_len(self, prompt_len: int, max_new_tokens: int) -> int:
         if prompt_len == 0:
@@ -94,15 +97,14 @@ class ARGenerator:
             )
         return min(bucket(needed, MIN_CACHE_LEN), self.max_len)
 
-    def _compiled_fn(self, name: str, fn, shape_key: tuple, *args):
-        """AOT-compiled `fn` for one shape bucket; returns (executable, compile seconds)."""
+    def _compiled(self, name: str, shape_key: tuple, jitted, *args, **static):
+        """AOT-compiled `jitted` for one shape bucket -> (executable, compile seconds)."""
         key = (name, *shape_key)
-        if key in self._compiled:
-            return self._compiled[key], 0.0
+        if key in self._executables:
+            return self._executables[key], 0.0
         start = time.perf_counter()
-        exe = fn.lower(args[0], self.cfg, self.sampling, *args[1:]).compile()
-        self._compiled[key] = exe
-        return exe, time.perf_counter() - start
+        self._executables[key] = jitted.lower(*args, **static).compile()
+        return self._executables[key], time.perf_counter() - start
 
     def generate(
         self,
@@ -120,25 +122,34 @@ class ARGenerator:
         cache = init_cache(self.cfg, 1, S, dtype)
         key = jax.random.key(seed)
         lengths = jnp.array([P], jnp.int32)
-        run_prefill, c1 = self._compiled_fn(
-            "prefill", prefill, (Pb, S), self.params, tokens, lengths, cache, key
-        )
-        first = jnp.zeros((1,), jnp.int32)
-        run_step, c2 = self._compiled_fn("decode", decode_step, (S,), self.params, first, cache, key)
+        model = dict(cfg=self.cfg, sampling=self.sampling)
+        prefill_args = (self.params, tokens, lengths, cache, key)
+        run_prefill, c1 = self._compiled("prefill", (Pb, S), prefill, *prefill_args, **model)
+        token = jnp.zeros((1,), jnp.int32)
+        step_args = (self.params, token, cache, key)
+        run_step, c2 = self._compiled("decode", (S,), decode_step, *step_args, **model)
+        _, prompt_block = jax.eval_shape(partial(prefill, **model), *prefill_args)
+        _, step_block = jax.eval_shape(partial(decode_step, **model), *step_args)
+        commit_prompt, c3 = self._compiled("commit", (Pb, S), commit, cache, prompt_block, lengths)
+        commit_step, c4 = self._compiled("commit", (1, S), commit, cache, step_block, lengths)
 
         eos = set(self.cfg.eos_token_ids)
         start = time.perf_counter()
-        token, cache = run_prefill(self.params, tokens, lengths, cache, key)
+        token, block = run_prefill(self.params, tokens, lengths, cache, key)
+        cache = commit_prompt(cache, block, lengths)
         out = [int(token[0])]
         prefill_s = time.perf_counter() - start
         if on_tokens:
             on_tokens(out[-1:])
+        one = jnp.ones((1,), jnp.int32)
         start = time.perf_counter()
         while len(out) < max_new_tokens and out[-1] not in eos:
-            token, cache = run_step(self.params, token, cache, key)
+            token, block = run_step(self.params, token, cache, key)
+            cache = commit_step(cache, block, one)
             out.append(int(token[0]))
             if on_tokens:
                 on_tokens(out[-1:])
         decode_s = time.perf_counter() - start
         out = out[:max_new_tokens]
-        return GenerationResult(list(prompt_ids), out, len(out), prefill_s, decode_s, c1 + c2)
+        compile_s = c1 + c2 + c3 + c4
+        return GenerationResult(list(prompt_ids), out, len(out), prefill_s, decode_s, compile_s)

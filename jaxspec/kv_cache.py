@@ -1,10 +1,16 @@
 """KV cache: an explicit pytree of per-layer buffers with static shape and per-row length.
 
-New tokens of a forward are written at slots [length, length + T) of their row; only
-`advance` (or, for trees, committing an accepted path) makes them part of the context.
+A forward only *reads* the cache: attention sees the committed slots [0, length) plus the
+forward's own new tokens, and the forward returns their keys/values as a `KVBlock`.
+`commit` (a separate, donated step) then writes the block at [length, length + T) and
+advances the lengths. Keeping reads and the in-place write in different programs is what
+lets XLA update the cache without copying it (on CPU a program that reads and updates the
+same buffer copies it whole), and lets tree decoding commit only the accepted path.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import flax.struct
 import jax
@@ -15,17 +21,26 @@ from jaxspec.config import LlamaConfig
 
 @flax.struct.dataclass
 class KVCache:
-    keys: tuple[jax.Array, ...]  # L x [B,S,K,H]
-    values: tuple[jax.Array, ...]  # L x [B,S,K,H]
+    keys: tuple[jax.Array, ...]  # L x [B,K,S,H]
+    values: tuple[jax.Array, ...]  # L x [B,K,S,H]
     lengths: jax.Array  # [B] int32, committed tokens per row
 
     @property
     def max_len(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
+
+
+@flax.struct.dataclass
+class KVBlock:
+    """Keys/values of T new tokens for a run of layers: each [B,K,T,H]."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
 
 
 def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)  # S third: no transposes in attention
+
     def buffers():
         return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
 
@@ -33,38 +48,43 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) ->
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """buffer [B,S,...] <- new [B,T,...] at row-wise slot starts [B]."""
+    """buffer [B,K,S,H] <- new [B,K,T,H] at row-wise slot starts [B]."""
 
     def write_row(row, new_row, start):
-        index = (start,) + (0,) * (row.ndim - 1)
-        return jax.lax.dynamic_update_slice(row, new_row.astype(row.dtype), index)
+        return jax.lax.dynamic_update_slice(row, new_row.astype(row.dtype), (0, start, 0))
 
     return jax.vmap(write_row)(buffer, new, starts)
 
 
-def advance(cache: KVCache, n: jax.Array) -> KVCache:
-    """Commit the first n [B] (or scalar) freshly written slots of each row."""
-    return cache.replace(lengths=cache.lengths + n)
+@partial(jax.jit, static_argnames=("first_layer",), donate_argnames=("cache",))
+def commit(cache: KVCache, block: KVBlock, n: jax.Array, first_layer: int = 0) -> KVCache:
+    """Write block (layers first_layer...) at each row's length and commit n [B] of its tokens.
 
-
-def cache_attention_mask(lengths: jax.Array, new_mask: jax.Array, max_len: int) -> jax.Array:
-    """Mask over all S cache slots for T new tokens written at [length, length + T).
-
-    lengths [B], new_mask [B,T,T] (which new tokens each new token sees) -> [B,T,S].
-    Example, length 2, S 6, T 3, causal new_mask:
-
-        slot:   0 1 2 3 4 5
-        t=0     1 1 1 0 0 0
-        t=1     1 1 1 1 0 0
-        t=2     1 1 1 1 1 0
+    Slots past length + n hold the block's remaining tokens but stay invisible (attention
+    only reads committed slots) and are overwritten by the next commit.
     """
-    T = new_mask.shape[-1]
-    rel = jnp.arange(max_len)[None, None, :] - lengths[:, None, None]  # [B,1,S]
-    committed = rel < 0
-    among_new = jnp.take_along_axis(
-        new_mask, jnp.broadcast_to(jnp.clip(rel, 0, T - 1), new_mask.shape[:2] + (max_len,)), axis=2
-    )
-    return jnp.logical_or(committed, jnp.logical_and(rel < T, among_new))
+    keys, values = list(cache.keys), list(cache.values)
+    for i, (k, v) in enumerate(zip(block.keys, block.values), start=first_layer):
+        keys[i] = write_rows(keys[i], k, cache.lengths)
+        values[i] = write_rows(values[i], v, cache.lengths)
+    return KVCache(tuple(keys), tuple(values), cache.lengths + n)
+
+
+def attention_mask(lengths: jax.Array, new_mask: jax.Array, max_len: int) -> jax.Array:
+    """Mask over [cache slots | new tokens] for T new tokens: [B,T,S+T].
+
+    lengths [B] committed slots per row; new_mask [B,T,T] says which new tokens each new
+    token sees (causal for a chain, the tree mask for a tree). Example, length 2, S 4, T 3,
+    causal new_mask:
+
+        key:   s0 s1 s2 s3 | n0 n1 n2
+        n0      1  1  0  0 |  1  0  0
+        n1      1  1  0  0 |  1  1  0
+        n2      1  1  0  0 |  1  1  1
+    """
+    B, T, _ = new_mask.shape
+    committed = jnp.arange(max_len)[None, None, :] < lengths[:, None, None]  # [B,1,S]
+    return jnp.concatenate([jnp.broadcast_to(committed, (B, T, max_len)), new_mask], axis=-1)
 
 
 def causal_mask(batch: int, T: int) -> jax.Array:

@@ -60,17 +60,27 @@ def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
     return (jax.nn.silu(x @ p["gate_proj"]) * (x @ p["up_proj"])) @ p["down_proj"]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention over a full cache.
+def attention(q, k_cache, v_cache, k_new, v_new, mask):
+    """Grouped-query attention over [committed cache | new tokens], one softmax over both.
 
-    q [B,T,N,H], k and v [B,S,K,H], mask [B,T,S] (True = may attend) -> [B,T,N*H].
+    q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H]; mask [B,T,S+T] (True = may
+    attend) -> [B,T,N*H]. Query heads are grouped per kv head as rows q = (g, t).
     """
     B, T, N, H = q.shape
-    K = k.shape[2]
-    q = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(H)
+    K = k_cache.shape[1]
+    G = N // K
+    q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    scores = jnp.concatenate(
+        [
+            jnp.einsum("bkqh,bksh->bkqs", q, k_cache, preferred_element_type=jnp.float32),
+            jnp.einsum("bkqh,bkth->bkqt", q, k_new, preferred_element_type=jnp.float32),
+        ],
+        axis=-1,
+    ).reshape(B, K, G, T, -1) / math.sqrt(H)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B,K,G,T,S]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(B, T, N * H)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, G * T, -1)
+    S = k_cache.shape[2]
+    out = jnp.einsum("bkqs,bksh->bkqh", probs[..., :S], v_cache) + jnp.einsum(
+        "bkqt,bkth->bkqh", probs[..., S:], v_new
+    )
+    return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)

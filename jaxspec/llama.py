@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig
-from jaxspec.kv_cache import KVCache, cache_attention_mask, write_rows
+from jaxspec.kv_cache import KVBlock, KVCache, attention_mask
 from jaxspec.layers import apply_rope, attention, rms_norm, rope_tables, swiglu_mlp
 
 Params = dict
@@ -30,19 +30,19 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed_tokens"], tokens, axis=0)
 
 
-def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, lengths, mask):
-    """One block. h [B,T,D]; caches [B,S,K,H]; returns h and the caches with h's KV written."""
+def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, mask):
+    """One block. h [B,T,D]; caches [B,K,S,H] (read only) -> h, new keys and values [B,K,T,H]."""
     B, T, _ = h.shape
     x = rms_norm(h, p["input_layernorm"], cfg.norm_eps)
     q = (x @ p["q_proj"]).reshape(B, T, cfg.n_heads, cfg.head_dim)
     k = (x @ p["k_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     v = (x @ p["v_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = write_rows(k_cache, k, lengths)
-    v_cache = write_rows(v_cache, v, lengths)
-    h = h + attention(q, k_cache, v_cache, mask) @ p["o_proj"]
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B,K,T,H]
+    v = v.transpose(0, 2, 1, 3)
+    h = h + attention(q, k_cache, v_cache, k, v, mask) @ p["o_proj"]
     h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), p)
-    return h, k_cache, v_cache
+    return h, k, v
 
 
 def run_layers(
@@ -55,27 +55,29 @@ def run_layers(
     start: int = 0,
     stop: int | None = None,
     collect: Sequence[int] = (),
-) -> tuple[jax.Array, KVCache, dict[int, jax.Array]]:
+) -> tuple[jax.Array, KVBlock, dict[int, jax.Array]]:
     """Run layers [start, stop) on hidden states h [B,T,D] at positions [B,T].
 
-    new_mask [B,T,T] says which new tokens see each other (causal for a chain, the tree
-    mask for a tree); every new token sees the row's committed cache. The KV of the new
-    tokens is written at slots [length, length + T) of the layers run; lengths are not
-    advanced. `collect` names layer counts i whose output (the state after i layers,
-    HF's hidden_states[i]) is returned in the dict.
+    Every new token sees its row's committed cache; new_mask [B,T,T] says which new tokens
+    see each other (causal for a chain, the tree mask for a tree). The cache is only read:
+    the new tokens' keys/values come back as a KVBlock of the layers run, for `commit`.
+    `collect` names layer counts i whose output (the state after i layers, HF's
+    hidden_states[i]) is returned in the dict.
     """
     stop = cfg.n_layers if stop is None else stop
     cos, sin = rope_tables(cfg, positions)
-    mask = cache_attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S]
-    keys, values = list(cache.keys), list(cache.values)
+    mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
+    keys, values = [], []
     collected = {start: h} if start in collect else {}
     for i in range(start, stop):
-        h, keys[i], values[i] = decoder_layer(
-            cfg, params["layers"][i], h, cos, sin, keys[i], values[i], cache.lengths, mask
+        h, k, v = decoder_layer(
+            cfg, params["layers"][i], h, cos, sin, cache.keys[i], cache.values[i], mask
         )
+        keys.append(k)
+        values.append(v)
         if i + 1 in collect:
             collected[i + 1] = h
-    return h, cache.replace(keys=tuple(keys), values=tuple(values)), collected
+    return h, KVBlock(tuple(keys), tuple(values)), collected
 
 
 def lm_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
@@ -96,12 +98,12 @@ def forward(
     cache: KVCache,
     new_mask: jax.Array,
     collect: Sequence[int] = (),
-) -> tuple[jax.Array, KVCache, dict[int, jax.Array]]:
-    """tokens [B,T] -> logits [B,T,V], cache with their KV written, collected states."""
-    h, cache, collected = run_layers(
+) -> tuple[jax.Array, KVBlock, dict[int, jax.Array]]:
+    """tokens [B,T] -> logits [B,T,V], the tokens' KVBlock, collected states."""
+    h, block, collected = run_layers(
         params, cfg, embed(params, tokens), positions, cache, new_mask, collect=collect
     )
-    return lm_logits(params, cfg, h), cache, collected
+    return lm_logits(params, cfg, h), block, collected
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02):

@@ -7,33 +7,49 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import preset
-from jaxspec.kv_cache import advance, cache_attention_mask, causal_mask, init_cache, write_rows
+from jaxspec.kv_cache import KVBlock, attention_mask, causal_mask, commit, init_cache, write_rows
 from jaxspec.llama import forward as eager_forward
 from jaxspec.llama import init_params
 
 forward = jax.jit(eager_forward, static_argnums=1)
 
 
-def test_cache_mask_literal():
+def test_attention_mask_literal():
     # Row 0: 2 committed slots, 3 new causal tokens. Row 1: 0 committed, a 3-token tree
     # where tokens 1 and 2 are siblings under token 0.
     tree = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
     new_mask = jnp.stack([causal_mask(1, 3)[0], jnp.asarray(tree)])
-    mask = cache_attention_mask(jnp.array([2, 0]), new_mask, 6)
+    mask = attention_mask(jnp.array([2, 0]), new_mask, 4)
     expected = np.array(
         [
-            [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]],
-            [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]],
+            [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 1, 1]],
+            [[0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 0, 1]],
         ],
         bool,
     )
     np.testing.assert_array_equal(np.asarray(mask), expected)
 
 
+def test_commit_writes_at_lengths_and_advances():
+    cfg = preset("tiny-mqa")
+    cache = init_cache(cfg, 2, 6).replace(lengths=jnp.array([1, 3], jnp.int32))
+    new = jnp.arange(2 * 2, dtype=jnp.float32).reshape(2, 1, 2, 1) + 1  # [B,K,T,H=1] values
+    block = KVBlock(
+        tuple(jnp.broadcast_to(new, (2, 1, 2, cfg.head_dim)) for _ in range(cfg.n_layers)),
+        tuple(-jnp.broadcast_to(new, (2, 1, 2, cfg.head_dim)) for _ in range(cfg.n_layers)),
+    )
+    cache = commit(cache, block, jnp.array([2, 1], jnp.int32))
+    np.testing.assert_array_equal(cache.lengths, [3, 4])
+    np.testing.assert_array_equal(
+        np.asarray(cache.keys[1])[:, 0, :, 0], [[0, 1, 2, 0, 0, 0], [0, 0, 0, 3, 4, 0]]
+    )
+    np.testing.assert_array_equal(np.asarray(cache.values[0])[1, 0, :, 0], [0, 0, 0, -3, -4, 0])
+
+
 def test_write_rows_per_row_offsets():
-    buf = jnp.zeros((2, 5, 1))
-    new = jnp.array([[[1.0], [2.0]], [[3.0], [4.0]]])
-    out = np.asarray(write_rows(buf, new, jnp.array([0, 3])))[..., 0]
+    buf = jnp.zeros((2, 1, 5, 1))  # [B,K,S,H]
+    new = jnp.array([[[[1.0], [2.0]]], [[[3.0], [4.0]]]])  # [B,K,T,H]
+    out = np.asarray(write_rows(buf, new, jnp.array([0, 3])))[:, 0, :, 0]
     np.testing.assert_array_equal(out, [[1, 2, 0, 0, 0], [0, 0, 0, 3, 4]])
 
 
@@ -49,10 +65,10 @@ def test_incremental_decode_equals_full_forward():
     pieces = []
     for start, stop in [(0, 5), (5, 6), (6, 9), (9, 12)]:
         T = stop - start
-        logits, cache, _ = forward(
+        logits, block, _ = forward(
             params, cfg, tokens[:, start:stop], positions[:, start:stop], cache, causal_mask(2, T)
         )
-        cache = advance(cache, T)
+        cache = commit(cache, block, jnp.full((2,), T, jnp.int32))
         pieces.append(logits)
     np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=1e-5)
 
@@ -69,4 +85,4 @@ def test_padding_after_the_prompt_is_invisible():
         pos = jnp.arange(T)[None]
         return forward(params, cfg, toks, pos, init_cache(cfg, 1, 16), causal_mask(1, T))[0]
 
-    np.testing.assert_allclose(run(padded)[:, :7], run(tokens), atol=1e-6)
+    np.testing.assert_allclose(run(padded)[:, :7], run(tokens), atol=1e-5)

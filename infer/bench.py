@@ -1,0 +1,200 @@
+"""jaxspec-bench: every method on the same prompts in one process, AR included.
+
+Methods run interleaved question by question, so slow drifts of the machine hit all of
+them alike. Compilation and a warm-up generation per method are excluded from timing.
+Writes FILE.json, FILE.md (table) and FILE.png (plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from infer.common import METHODS, check_method, load_model
+from jaxspec.cli import run_main
+from jaxspec.data.sources import load_questions
+from jaxspec.errors import JaxspecError
+from jaxspec.generate import ARGenerator
+from jaxspec.text import encode_conversation
+
+PEERS = ("hf",)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__)
+    p.add_argument("--methods", default="ar", help=f"comma list of {', '.join(METHODS + PEERS)}")
+    p.add_argument("--questions", required=True, help="PATH.jsonl (Spec-Bench format), humaneval or sharegpt-test")
+    p.add_argument("--limit", type=int, help="use the first N questions")
+    p.add_argument("--per-category", type=int, help="use the first N questions of each category")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--model", type=Path)
+    p.add_argument("--out", type=Path, default=Path("bench_results.json"))
+    p.add_argument("--single-turn", action="store_true", help="only the first turn of each question")
+    return p.parse_args(argv)
+
+
+def select(questions, limit, per_category):
+    if per_category:
+        seen = defaultdict(int)
+        kept = []
+        for q in questions:
+            seen[q.category] += 1
+            if seen[q.category] <= per_category:
+                kept.append(q)
+        questions = kept
+    return questions[:limit] if limit else questions
+
+
+class Runner:
+    """One method: generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
+
+    def __init__(self, name, model):
+        self.name = name
+        if name == "hf":
+            from infer.hf_peer import HFPeer
+
+            self.peer = HFPeer(model.cfg, model.params)
+        else:
+            self.ar = ARGenerator(model.cfg, model.params)
+
+    def generate(self, prompt_ids, max_new_tokens):
+        if self.name == "hf":
+            return self.peer.generate(prompt_ids, max_new_tokens)
+        r = self.ar.generate(prompt_ids, max_new_tokens)
+        return r.token_ids, r.steps, r.prefill_s + r.decode_s
+
+
+def summarize(records, methods):
+    """records: method -> list of (category, ids, steps, seconds); AR is the reference."""
+    ar = [r[1] for r in records["ar"]]
+
+    def stats(rows, ar_ids):
+        tokens = sum(len(r[1]) for r in rows)
+        seconds = sum(r[3] for r in rows)
+        return {
+            "tokens_per_s": tokens / seconds,
+            "mean_accepted": tokens / max(sum(r[2] for r in rows), 1),
+            "match_ar": sum(r[1] == a for r, a in zip(rows, ar_ids)) / len(rows),
+            "new_tokens": tokens,
+            "seconds": seconds,
+        }
+
+    overall = {m: stats(records[m], ar) for m in methods}
+    categories = {}
+    for cat in dict.fromkeys(r[0] for r in records["ar"]):
+        idx = [i for i, r in enumerate(records["ar"]) if r[0] == cat]
+        categories[cat] = {
+            m: stats([records[m][i] for i in idx], [ar[i] for i in idx]) for m in methods
+        }
+    for table in [overall, *categories.values()]:
+        for m in methods:
+            table[m]["speedup"] = table[m]["tokens_per_s"] / table["ar"]["tokens_per_s"]
+    return overall, categories
+
+
+def markdown(result) -> str:
+    lines = [
+        "| method | tokens/s | speedup | mean accepted | match_ar |",
+        "|---|---|---|---|---|",
+    ]
+    for m, s in result["methods"].items():
+        lines.append(
+            f"| {m} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}x | "
+            f"{s['mean_accepted']:.2f} | {s['match_ar']:.2f} |"
+        )
+    if len(result["categories"]) > 1:
+        lines += ["", "| category | " + " | ".join(result["methods"]) + " |"]
+        lines.append("|---" * (len(result["methods"]) + 1) + "|")
+        for cat, per in result["categories"].items():
+            cells = [f"{s['tokens_per_s']:.1f} ({s['speedup']:.2f}x)" for s in per.values()]
+            lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["methods"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    axes[0].bar(names, [result["methods"][m]["tokens_per_s"] for m in names], color="tab:blue")
+    axes[0].set_ylabel("tokens / s")
+    axes[1].bar(names, [result["methods"][m]["mean_accepted"] for m in names], color="tab:green")
+    axes[1].set_ylabel("mean accepted tokens / step")
+    fig.suptitle(f"{result['model']} on {result['questions']} ({result['machine']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _main(argv) -> None:
+    args = parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in PEERS:
+            check_method(m)
+    methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    questions = select(load_questions(args.questions), args.limit, args.per_category)
+    if not questions:
+        raise JaxspecError("no questions selected; check --questions / --limit")
+    model = load_model(args.model)
+    runners = {m: Runner(m, model) for m in methods}
+
+    warm = encode_conversation(model.tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
+    for runner in runners.values():  # compile and warm up outside the timed region
+        runner.generate(warm, args.max_new_tokens)
+
+    records = {m: [] for m in methods}
+    turns = sum(1 if args.single_turn else len(q.turns) for q in questions)
+    bar = tqdm(total=turns * len(methods), desc="bench", unit="gen", file=sys.stderr)
+    for q in questions:
+        history = {m: [] for m in methods}
+        for turn in q.turns[:1] if args.single_turn else q.turns:
+            for m, runner in runners.items():
+                history[m].append({"role": "user", "content": turn})
+                prompt_ids = encode_conversation(model.tokenizer, history[m])
+                ids, steps, seconds = runner.generate(prompt_ids, args.max_new_tokens)
+                reply = model.tokenizer.decode(ids, skip_special_tokens=True)
+                history[m].append({"role": "assistant", "content": reply})
+                records[m].append((q.category, ids, steps, seconds))
+                bar.update()
+    bar.close()
+
+    overall, categories = summarize(records, methods)
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, jax {__import__('jax').default_backend()}",
+        "command": "jaxspec-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": model.cfg.name,
+        "questions": args.questions,
+        "n_questions": len(questions),
+        "n_generations": turns,
+        "max_new_tokens": args.max_new_tokens,
+        "methods": overall,
+        "categories": categories,
+    }
+    out = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+    print(markdown(result))
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+
+
+def main(argv=None) -> None:
+    run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    main()

