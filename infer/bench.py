@@ -16,6 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import jax
 from tqdm import tqdm
 
 from infer.common import METHODS, check_method, load_model
@@ -31,13 +32,19 @@ PEERS = ("hf",)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__)
     p.add_argument("--methods", default="ar", help=f"comma list of {', '.join(METHODS + PEERS)}")
-    p.add_argument("--questions", required=True, help="PATH.jsonl (Spec-Bench format), humaneval or sharegpt-test")
+    p.add_argument(
+        "--questions",
+        required=True,
+        help="PATH.jsonl (Spec-Bench format), humaneval or sharegpt-test",
+    )
     p.add_argument("--limit", type=int, help="use the first N questions")
     p.add_argument("--per-category", type=int, help="use the first N questions of each category")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--model", type=Path)
     p.add_argument("--out", type=Path, default=Path("bench_results.json"))
-    p.add_argument("--single-turn", action="store_true", help="only the first turn of each question")
+    p.add_argument(
+        "--single-turn", action="store_true", help="only the first turn of each question"
+    )
     return p.parse_args(argv)
 
 
@@ -82,7 +89,7 @@ def summarize(records, methods):
         return {
             "tokens_per_s": tokens / seconds,
             "mean_accepted": tokens / max(sum(r[2] for r in rows), 1),
-            "match_ar": sum(r[1] == a for r, a in zip(rows, ar_ids)) / len(rows),
+            "match_ar": sum(r[1] == a for r, a in zip(rows, ar_ids, strict=True)) / len(rows),
             "new_tokens": tokens,
             "seconds": seconds,
         }
@@ -150,7 +157,9 @@ def _main(argv) -> None:
     model = load_model(args.model)
     runners = {m: Runner(m, model) for m in methods}
 
-    warm = encode_conversation(model.tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
+    warm = encode_conversation(
+        model.tokenizer, [{"role": "user", "content": questions[0].turns[0]}]
+    )
     for runner in runners.values():  # compile and warm up outside the timed region
         runner.generate(warm, args.max_new_tokens)
 
@@ -173,7 +182,7 @@ def _main(argv) -> None:
     overall, categories = summarize(records, methods)
     result = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, jax {__import__('jax').default_backend()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.default_backend()}",
         "command": "jaxspec-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": model.cfg.name,
         "questions": args.questions,

@@ -32,4 +32,6 @@ def check_method(method: str) -> None:
     from jaxspec.errors import JaxspecError
 
     if method not in METHODS:
-        raise JaxspecError(f"unknown or not yet available method {method!r}; available: {', '.join(METHODS)}")
+        raise JaxspecError(
+            f"unknown or not yet available method {method!r}; available: {', '.join(METHODS)}"
+        )

@@ -19,9 +19,17 @@ ALL_METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="jaxspec-generate", description=__doc__)
     p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
-    p.add_argument("--method", default="ar", help=f"one of {', '.join(ALL_METHODS)} (available: {', '.join(METHODS)})")
-    p.add_argument("--model", type=Path, help="jaxspec checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", type=Path, help="drafter folder (default: the one shipped for the model)")
+    p.add_argument(
+        "--method",
+        default="ar",
+        help=f"one of {', '.join(ALL_METHODS)} (available: {', '.join(METHODS)})",
+    )
+    p.add_argument(
+        "--model", type=Path, help="jaxspec checkpoint folder (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--drafter", type=Path, help="drafter folder (default: the one shipped for the model)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -51,7 +59,9 @@ def _main(argv) -> None:
     def show(ids):
         print(stream.push(ids), end="", flush=True)
 
-    result = generator.generate(prompt_ids, args.max_new_tokens, args.seed, None if args.json else show)
+    result = generator.generate(
+        prompt_ids, args.max_new_tokens, args.seed, None if args.json else show
+    )
     text = model.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     summary = {
         "method": args.method,

@@ -19,7 +19,7 @@ class HFPeer:
 
         self.torch = torch
         flat = {k: np.asarray(v, np.float32) for k, v in flatten_params(params).items()}
-        state = {k: torch.from_numpy(v) for k, v in params_to_hf(flat, cfg).items()}
+        state = {k: torch.from_numpy(v.copy()) for k, v in params_to_hf(flat, cfg).items()}
         self.model = LlamaForCausalLM(HFConfig(**cfg.to_hf_dict())).float().eval()
         missing, _ = self.model.load_state_dict(state, strict=False)
         if cfg.tie_embeddings:

@@ -131,5 +131,7 @@ def check_params(params: dict, cfg: LlamaConfig) -> None:
         if k in have and have[k] != want[k]
     ]
     if problems:
-        shown = "; ".join(problems[:12]) + (f"; ... {len(problems) - 12} more" if len(problems) > 12 else "")
+        shown = "; ".join(problems[:12]) + (
+            f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""
+        )
         raise JaxspecError(f"weights do not match the {cfg.name} config: {shown}")

@@ -39,7 +39,9 @@ def prefill(params, tokens, lengths, cache: KVCache, key, *, cfg: LlamaConfig, s
     the prompt's KVBlock (commit `lengths` of it)."""
     B, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P), (B, P))
-    h, block, _ = run_layers(params, cfg, embed(params, tokens), positions, cache, causal_mask(B, P))
+    h, block, _ = run_layers(
+        params, cfg, embed(params, tokens), positions, cache, causal_mask(B, P)
+    )
     h_last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)  # [B,1,D]
     last = lm_logits(params, cfg, h_last)[:, 0]  # [B,V]: no vocab projection of the padding
     return select_tokens(last, position_keys(key, lengths), sampling), block
@@ -79,8 +81,8 @@ class GenerationResult:
 class ARGenerator:
     """Plain autoregressive decoding of one prompt at a time (batch 1)."""
 
-    def __init__(self, cfg: LlamaConfig, params, sampling: Sampling = Sampling(), max_len=None):
-        self.cfg, self.params, self.sampling = cfg, params, sampling
+    def __init__(self, cfg: LlamaConfig, params, sampling: Sampling | None = None, max_len=None):
+        self.cfg, self.params, self.sampling = cfg, params, sampling or Sampling()
         self.max_len = max_len or cfg.max_position
         self._executables: dict[tuple, Callable] = {}
 

@@ -64,7 +64,7 @@ def commit(cache: KVCache, block: KVBlock, n: jax.Array, first_layer: int = 0) -
     only reads committed slots) and are overwritten by the next commit.
     """
     keys, values = list(cache.keys), list(cache.values)
-    for i, (k, v) in enumerate(zip(block.keys, block.values), start=first_layer):
+    for i, (k, v) in enumerate(zip(block.keys, block.values, strict=True), start=first_layer):
         keys[i] = write_rows(keys[i], k, cache.lengths)
         values[i] = write_rows(values[i], v, cache.lengths)
     return KVCache(tuple(keys), tuple(values), cache.lengths + n)

@@ -13,7 +13,7 @@ from checkpoints_convert.convert import convert
 from checkpoints_convert.from_gguf import unpermute_rope_rows
 from jaxspec.checkpoint import WEIGHTS_FILE, load_checkpoint
 from jaxspec.errors import JaxspecError
-from tests.conftest import VOCAB, save_tiny
+from tests.conftest import save_tiny
 
 
 def hf_logits(model, tokens):
@@ -65,10 +65,17 @@ def write_tiny_gguf(path, model):
     def permute(x, heads):
         return x.reshape(heads, 2, x.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(x.shape)
 
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.add_tensor("output.weight", sd["lm_head.weight"])
@@ -93,13 +100,17 @@ def test_gguf_import_matches_hf(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf", model)
     tokens = np.arange(3, 60)[None]
     # transformers' own GGUF reader (an independent un-permute) agrees with the original...
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32
+    )
     np.testing.assert_allclose(hf_logits(theirs, tokens), hf_logits(model, tokens), atol=1e-5)
     # ...and so does ours.
     convert(tmp_path / "tiny.gguf", tmp_path / "ours")
     from tests.test_parity_hf import jax_logits
 
-    np.testing.assert_allclose(jax_logits(tmp_path / "ours", tokens)[0], hf_logits(model, tokens), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        jax_logits(tmp_path / "ours", tokens)[0], hf_logits(model, tokens), atol=1e-4, rtol=1e-4
+    )
 
 
 # ---- bad inputs: one line, naming the problem and the fix ---------------------------

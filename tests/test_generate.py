@@ -28,7 +28,11 @@ def test_greedy_equals_hf_generate(tiny, prompt_len):
     ours = ARGenerator(cfg, params).generate(prompt, max_new_tokens=40)
     with torch.no_grad():
         ref = model.generate(
-            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=2, pad_token_id=0
+            torch.tensor([prompt]),
+            max_new_tokens=40,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
         )[0, prompt_len:].tolist()
     assert ours.token_ids == ref
     assert ours.steps == ours.new_tokens and ours.mean_accepted == 1.0
@@ -64,7 +68,16 @@ def test_bad_lengths_are_clear_errors(tiny):
 
 
 def test_bucket():
-    assert [bucket(n, 16) for n in (1, 16, 17, 25, 33, 49, 100, 200)] == [16, 16, 24, 32, 48, 64, 128, 256]
+    assert [bucket(n, 16) for n in (1, 16, 17, 25, 33, 49, 100, 200)] == [
+        16,
+        16,
+        24,
+        32,
+        48,
+        64,
+        128,
+        256,
+    ]
 
 
 def test_sampling_is_reproducible(tiny):

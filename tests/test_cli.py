@@ -1,0 +1,106 @@
+"""Command-line tools end to end on a tiny checkpoint: outputs and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from infer.bench import main as bench_main
+from infer.generate import main as generate_main
+from jaxspec.checkpoint import load_checkpoint
+from jaxspec.generate import ARGenerator
+from jaxspec.text import encode_prompt
+from tests.conftest import tiny_tokenizer
+from train.cli import main as train_main
+
+
+def run_ok(main, argv, capsys) -> str:
+    capsys.readouterr()
+    main(argv)
+    return capsys.readouterr().out
+
+
+def one_line_error(main, argv, capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_generate_json(tiny_ckpt, capsys):
+    ckpt, _ = tiny_ckpt
+    out = run_ok(
+        generate_main,
+        ["--model", str(ckpt), "--json", "--max-new-tokens", "12", "w5 w9 w7"],
+        capsys,
+    )
+    got = json.loads(out)
+    for field in ("text", "token_ids", "new_tokens", "steps", "mean_accepted", "tokens_per_s"):
+        assert field in got
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    ids = encode_prompt(tiny_tokenizer(), "w5 w9 w7")
+    assert got["token_ids"] == ARGenerator(cfg, params).generate(ids, 12).token_ids
+    assert got["new_tokens"] == len(got["token_ids"]) and got["mean_accepted"] == 1.0
+
+
+def test_generate_streams_text(tiny_ckpt, capsys):
+    out = run_ok(
+        generate_main, ["--model", str(tiny_ckpt[0]), "--max-new-tokens", "5", "w5"], capsys
+    )
+    assert out.strip()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "nope", "w5"], "unknown or not yet available method 'nope'"),
+        (["--max-len", "16", "w5 " * 20], "exceeds the cache of 16 positions"),
+        (["   "], "empty prompt"),
+        (["--top-p", "0", "w5"], "--top-p must be in (0, 1]"),
+    ],
+)
+def test_generate_bad_input(tiny_ckpt, capsys, argv, message):
+    err = one_line_error(generate_main, ["--model", str(tiny_ckpt[0]), *argv], capsys)
+    assert message in err
+
+
+def test_generate_missing_model(tmp_path, capsys):
+    err = one_line_error(generate_main, ["--model", str(tmp_path / "none"), "hi"], capsys)
+    assert "no jaxspec checkpoint" in err and "jaxspec-convert" in err
+
+
+def test_bench_ar_and_hf_agree(tiny_ckpt, tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    rows = [
+        {"question_id": 1, "category": "a", "turns": ["w5 w6", "w7"]},
+        {"question_id": 2, "category": "b", "turns": ["w8 w9 w10"]},
+    ]
+    questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "r.json"
+    argv = ["--methods", "ar,hf", "--questions", str(questions), "--max-new-tokens", "8"]
+    run_ok(bench_main, [*argv, "--model", str(tiny_ckpt[0]), "--out", str(out)], capsys)
+    result = json.loads(out.read_text())
+    assert set(result["methods"]) == {"ar", "hf"} and set(result["categories"]) == {"a", "b"}
+    assert result["n_generations"] == 3
+    assert result["methods"]["hf"]["match_ar"] == 1.0  # same tokens from torch and JAX
+    assert result["methods"]["ar"]["speedup"] == 1.0
+    assert out.with_suffix(".md").read_text().startswith("| method |")
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_bad_questions(tmp_path, capsys):
+    (tmp_path / "q.jsonl").write_text('{"no": 1}\n')
+    err = one_line_error(bench_main, ["--questions", str(tmp_path / "q.jsonl")], capsys)
+    assert "is not a Spec-Bench question" in err
+    err = one_line_error(bench_main, ["--questions", str(tmp_path / "missing.jsonl")], capsys)
+    assert "no question file" in err
+
+
+def test_train_names_what_exists(capsys):
+    err = one_line_error(train_main, ["medusa"], capsys)
+    assert "no trainer for method 'medusa'" in err

@@ -1,0 +1,61 @@
+"""The real default model (SmolLM2-135M-Instruct) against HF transformers' own GGUF import."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Name three colours of the rainbow."
+
+
+@pytest.fixture(scope="module")
+def models():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints_convert.default_model import packaged_gguf
+    from infer.common import load_model
+
+    gguf = packaged_gguf()  # transformers dequantises and un-permutes it independently of us
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return load_model(), hf.eval()
+
+
+def test_logits_match_hf(models):
+    import torch
+
+    from jaxspec.kv_cache import causal_mask, init_cache
+    from jaxspec.llama import forward
+    from jaxspec.text import encode_prompt
+
+    ours, hf = models
+    ids = np.array([encode_prompt(ours.tokenizer, PROMPT)])
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    T = ids.shape[1]
+    logits, _, _ = forward(
+        ours.params, ours.cfg, jnp.asarray(ids), jnp.arange(T)[None],
+        init_cache(ours.cfg, 1, T), causal_mask(1, T),
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_cli_equals_hf_greedy(models, capsys):
+    import torch
+
+    from infer.generate import main
+    from jaxspec.text import encode_prompt
+
+    ours, hf = models
+    main(["--method", "ar", "--json", "--max-new-tokens", "32", PROMPT])
+    got = json.loads(capsys.readouterr().out)
+    ids = encode_prompt(ours.tokenizer, PROMPT)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2)
+    assert got["token_ids"] == ref[0, len(ids) :].tolist()
+    assert len(got["token_ids"]) >= 16
