@@ -104,3 +104,11 @@ def test_bench_bad_questions(tmp_path, capsys):
 def test_train_names_what_exists(capsys):
     err = one_line_error(train_main, ["medusa"], capsys)
     assert "no trainer for method 'medusa'" in err
+
+
+def test_roofline_reports_a_fraction(capsys):
+    from infer.roofline import main as roofline_main
+
+    out = run_ok(roofline_main, ["--preset", "tiny-gqa", "--bandwidth-gbs", "10", "--steps", "4"], capsys)
+    got = json.loads(out)
+    assert got["model"] == "tiny-gqa" and 0 < got["fraction_of_floor"] and got["ms_per_token"] > 0

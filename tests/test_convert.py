@@ -188,3 +188,18 @@ def test_not_a_gguf_file(tmp_path, capsys):
     (tmp_path / "x.gguf").write_bytes(b"1234")
     err = one_line_error(tmp_path, capsys, [str(tmp_path / "x.gguf"), "--out", str(tmp_path / "o")])
     assert "cannot read GGUF file" in err
+
+
+def test_sharded_hf_folder(tmp_path):
+    from tests.conftest import tiny_hf_model
+    from tests.test_parity_hf import jax_logits
+
+    model = tiny_hf_model(n_kv_heads=1)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="30KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    convert(tmp_path / "sharded", tmp_path / "ours")
+    tokens = np.arange(5, 30)[None]
+    np.testing.assert_allclose(
+        jax_logits(tmp_path / "ours", tokens)[0], hf_logits(model, tokens), atol=1e-4, rtol=1e-4
+    )
