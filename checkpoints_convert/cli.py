@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from jaxspec.checkpoint import default_model_dir, is_checkpoint
+from jaxspec.checkpoint import DEFAULT_MODEL_NAME, default_model_dir, is_checkpoint
 from jaxspec.cli import run_main
 
 
@@ -45,7 +45,7 @@ def _main(argv) -> None:
         print(f"checkpoint already at {out}")
         return
     start = time.perf_counter()
-    convert(src, out, args.to)
+    convert(src, out, args.to, name=None if args.src else DEFAULT_MODEL_NAME)
     print(f"converted {src} -> {out} ({args.to}) in {time.perf_counter() - start:.1f} s")
 
 

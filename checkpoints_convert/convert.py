@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from checkpoints_convert.from_gguf import load_gguf
@@ -25,8 +26,11 @@ def load_any(src: Path):
     return load_hf_folder(src)
 
 
-def convert(src: Path, out: Path, to: str = "jaxspec") -> None:
+def convert(src: Path, out: Path, to: str = "jaxspec", name: str | None = None) -> None:
+    """Convert src into out; `name` overrides the model name recorded in the config."""
     cfg, params, tokenizer = load_any(src)
+    if name:
+        cfg = dataclasses.replace(cfg, name=name)
     if to == "jaxspec":
         save_checkpoint(Path(out), cfg, params, tokenizer)
     elif to == "hf":

