@@ -76,6 +76,17 @@ def save_tiny(tmp: Path, name="hf", tokenizer=True, **kw) -> tuple[Path, object]
     return folder, model
 
 
+def one_line_error(main, argv, capsys) -> str:
+    """Run a command-line main expecting a user error: exit 2 and one `error: ...` line."""
+    capsys.readouterr()  # drop what building fixtures printed
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """(jaxspec checkpoint folder, HF model) for a GQA model with a tokenizer."""

@@ -12,7 +12,7 @@ from infer.generate import main as generate_main
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.generate import ARGenerator
 from jaxspec.text import encode_prompt
-from tests.conftest import tiny_tokenizer
+from tests.conftest import one_line_error, tiny_tokenizer
 from train.cli import main as train_main
 
 
@@ -20,16 +20,6 @@ def run_ok(main, argv, capsys) -> str:
     capsys.readouterr()
     main(argv)
     return capsys.readouterr().out
-
-
-def one_line_error(main, argv, capsys) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    return err
 
 
 def test_generate_json(tiny_ckpt, capsys):

@@ -13,7 +13,7 @@ from checkpoints_convert.convert import convert
 from checkpoints_convert.from_gguf import unpermute_rope_rows
 from jaxspec.checkpoint import WEIGHTS_FILE, load_checkpoint
 from jaxspec.errors import JaxspecError
-from tests.conftest import save_tiny
+from tests.conftest import one_line_error, save_tiny
 
 
 def hf_logits(model, tokens):
@@ -116,25 +116,19 @@ def test_gguf_import_matches_hf(tmp_path):
 # ---- bad inputs: one line, naming the problem and the fix ---------------------------
 
 
-def one_line_error(tmp_path, capsys, argv) -> str:
-    capsys.readouterr()  # drop what building the fixture printed
-    with pytest.raises(SystemExit) as exit_info:
-        convert_main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    return err
+def convert_error(capsys, src, out) -> str:
+    return one_line_error(convert_main, [str(src), "--out", str(out)], capsys)
 
 
 def test_missing_source(tmp_path, capsys):
-    err = one_line_error(tmp_path, capsys, [str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    err = convert_error(capsys, tmp_path / "nope", tmp_path / "o")
     assert "no such file or folder" in err
 
 
 def test_corrupt_safetensors(tmp_path, capsys):
     hf_dir, _ = save_tiny(tmp_path)
     (hf_dir / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
-    err = one_line_error(tmp_path, capsys, [str(hf_dir), "--out", str(tmp_path / "o")])
+    err = convert_error(capsys, hf_dir, tmp_path / "o")
     assert "corrupt safetensors" in err
 
 
@@ -143,7 +137,7 @@ def test_wrong_architecture(tmp_path, capsys):
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (hf_dir / "config.json").write_text(json.dumps(cfg))
-    err = one_line_error(tmp_path, capsys, [str(hf_dir), "--out", str(tmp_path / "o")])
+    err = convert_error(capsys, hf_dir, tmp_path / "o")
     assert "unsupported architecture 'gpt2'" in err
 
 
@@ -183,10 +177,10 @@ def test_corrupt_jaxspec_checkpoint(tiny_ckpt, tmp_path):
 
 def test_not_a_gguf_file(tmp_path, capsys):
     (tmp_path / "x.bin").write_bytes(b"1234")
-    err = one_line_error(tmp_path, capsys, [str(tmp_path / "x.bin"), "--out", str(tmp_path / "o")])
+    err = convert_error(capsys, tmp_path / "x.bin", tmp_path / "o")
     assert "not a .gguf file" in err
     (tmp_path / "x.gguf").write_bytes(b"1234")
-    err = one_line_error(tmp_path, capsys, [str(tmp_path / "x.gguf"), "--out", str(tmp_path / "o")])
+    err = convert_error(capsys, tmp_path / "x.gguf", tmp_path / "o")
     assert "cannot read GGUF file" in err
 
 
