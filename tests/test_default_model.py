@@ -42,7 +42,10 @@ def test_logits_match_hf(models):
         ours.params, ours.cfg, jnp.asarray(ids), jnp.arange(T)[None],
         init_cache(ours.cfg, 1, T), causal_mask(1, T),
     )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=1e-4)
+    # 30 float32 layers with logits up to ~35 in size: summation order alone moves a few
+    # of the 1.8M logits by ~1e-4 (tiny models are held to 1e-4 in test_parity_hf).
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=5e-4, rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(logits).argmax(-1), ref.argmax(-1))
 
 
 def test_generate_cli_equals_hf_greedy(models, capsys):
