@@ -1,0 +1,257 @@
+"""The generic speculative decoding loop: any drafter, any static tree; AR is the empty tree.
+
+Each step is one compiled program: forward the tree [root = the newest token ; drafted
+candidates] against the cache with the tree mask and depth positions, accept a path, and
+let the drafter propose the next step's candidates from what the model just computed.
+A second, donated program commits the accepted path's keys/values to the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import LlamaConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.generate import MIN_CACHE_LEN, MIN_PROMPT_BUCKET, GenerationResult, bucket
+from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
+from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.sampling import Sampling, position_keys, select_tokens
+from jaxspec.tree import TreeSpec
+from jaxspec.verify import accept_greedy, accept_sampling, gather_path, tree_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftInputs:
+    """What a drafter sees after the model ran (prefill or a verify step), per row:
+
+    hidden: layer count -> [B,D] state (after that many layers) at the node whose
+    prediction is `current`; current [B]: the newest token (next step's root), not yet in
+    the cache; position [B]: its position; emitted [B,E] / n_emitted [B]: tokens this
+    step produced (E = max depth + 1; the last valid one is `current`).
+    """
+
+    hidden: dict[int, jax.Array]
+    current: jax.Array
+    position: jax.Array
+    emitted: jax.Array
+    n_emitted: jax.Array
+
+
+class Drafter:
+    """Base drafter. Subclasses are frozen dataclasses (hashable: they are static in jit).
+
+    `collect`: the layer counts whose hidden states `propose` needs.
+    `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
+    the token for every non-root tree node.
+    """
+
+    collect: tuple[int, ...] = ()
+
+    def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafter(Drafter):
+    """Proposes nothing: with the empty tree, plain autoregressive decoding."""
+
+    def propose(self, params, drafter_params, tree, inputs, key):
+        return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)
+
+
+def _draft(drafter, params, drafter_params, tree, h_at, current, position, emitted, n, key):
+    inputs = DraftInputs(h_at, current, position, emitted, n)
+    return drafter.propose(params, drafter_params, tree, inputs, jax.random.fold_in(key, 7))
+
+
+@partial(jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"))
+def prefill_and_draft(
+    params, drafter_params, tokens, lengths, cache: KVCache, key, *, cfg, sampling, tree, drafter
+):
+    """tokens [B,P] right-padded, lengths [B] -> first token [B], candidates [B,T-1], the
+    prompt's KVBlock (commit `lengths` of it)."""
+    B, P = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(P), (B, P))
+    collect = tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
+    _, block, states = run_layers(
+        params, cfg, embed(params, tokens), positions, cache, causal_mask(B, P), collect=collect
+    )
+    at_last = lambda h: jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # noqa: E731
+    h_at = {i: at_last(h) for i, h in states.items()}
+    last_logits = lm_logits(params, cfg, h_at[cfg.n_layers][:, None])[:, 0]
+    current = select_tokens(last_logits, position_keys(key, lengths), sampling)
+    emitted = jnp.zeros((B, tree.max_depth + 1), jnp.int32).at[:, 0].set(current)
+    one = jnp.ones((B,), jnp.int32)
+    candidates = _draft(
+        drafter, params, drafter_params, tree, h_at, current, lengths, emitted, one, key
+    )
+    return current, candidates, block
+
+
+@partial(jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"))
+def speculative_step(
+    params,
+    drafter_params,
+    cache: KVCache,
+    current,
+    candidates,
+    key,
+    *,
+    cfg,
+    sampling,
+    tree,
+    drafter,
+):
+    """One verify step -> emitted [B,D+1] (valid up to n_emitted [B]), the new root token
+    [B], next candidates [B,T-1], the accepted path's KVBlock (commit n_emitted of it)."""
+    B = current.shape[0]
+    tokens = tree_tokens(current, candidates)  # [B,T]
+    depth = jnp.asarray(tree.depth)
+    positions = cache.lengths[:, None] + depth[None]
+    mask = jnp.broadcast_to(jnp.asarray(tree.mask), (B, tree.n_nodes, tree.n_nodes))
+    collect = tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
+    _, block, states = run_layers(
+        params, cfg, embed(params, tokens), positions, cache, mask, collect=collect
+    )
+    logits = lm_logits(params, cfg, states[cfg.n_layers])  # [B,T,V]
+    if sampling.greedy:
+        nodes, n_accepted, bonus = accept_greedy(tree, tokens, logits)
+    else:
+        keys = jax.vmap(jax.random.fold_in)(position_keys(key, cache.lengths), jnp.arange(B))
+        nodes, n_accepted, bonus = accept_sampling(tree, tokens, logits, keys, sampling)
+    # Emitted: the accepted drafted tokens, then the bonus token.
+    path_tokens = jnp.take_along_axis(tokens, nodes, axis=1)  # [B,D+1], root first
+    emitted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    slot = jnp.arange(tree.max_depth + 1)[None]
+    emitted = jnp.where(slot == n_accepted[:, None], bonus[:, None], emitted)
+    n_emitted = n_accepted + 1
+    last = jnp.take_along_axis(nodes, n_accepted[:, None], axis=1)[:, 0]
+    h_at = {i: jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0] for i, h in states.items()}
+    position = cache.lengths + n_emitted
+    candidates = _draft(
+        drafter, params, drafter_params, tree, h_at, bonus, position, emitted, n_emitted, key
+    )
+    return emitted, n_emitted, bonus, candidates, gather_path(block, nodes)
+
+
+class SpeculativeGenerator:
+    """Generation of one prompt at a time with a drafter and a static tree.
+
+    Executables are compiled ahead of time per (prompt bucket, cache length), so timings
+    exclude compilation and steps never recompile.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        params,
+        drafter: Drafter | None = None,
+        drafter_params=None,
+        tree: TreeSpec | None = None,
+        sampling: Sampling | None = None,
+        max_len: int | None = None,
+    ):
+        self.cfg, self.params = cfg, params
+        self.drafter = drafter or NoDrafter()
+        self.drafter_params = drafter_params
+        self.tree = tree or TreeSpec(())
+        self.sampling = sampling or Sampling()
+        self.max_len = max_len or cfg.max_position
+        self._executables: dict[tuple, Callable] = {}
+
+    @property
+    def _static(self) -> dict:
+        return dict(cfg=self.cfg, sampling=self.sampling, tree=self.tree, drafter=self.drafter)
+
+    def cache_len(self, prompt_len: int, max_new_tokens: int) -> int:
+        if prompt_len == 0:
+            raise JaxspecError("empty prompt: pass some text (or token ids) to generate from")
+        if max_new_tokens < 1:
+            raise JaxspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        # A step may write max_depth + 1 slots past the last token kept.
+        needed = prompt_len + max_new_tokens + self.tree.max_depth + 1
+        if needed > self.max_len:
+            raise JaxspecError(
+                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the "
+                f"cache of {self.max_len} positions; shorten the prompt or lower --max-new-tokens"
+            )
+        return min(bucket(needed, MIN_CACHE_LEN), self.max_len)
+
+    def _compiled(self, name: str, shape_key: tuple, jitted, *args, **static):
+        """AOT-compiled `jitted` for one shape bucket -> (executable, compile seconds)."""
+        key = (name, *shape_key)
+        if key in self._executables:
+            return self._executables[key], 0.0
+        start = time.perf_counter()
+        self._executables[key] = jitted.lower(*args, **static).compile()
+        return self._executables[key], time.perf_counter() - start
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        seed: int = 0,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        P = len(prompt_ids)
+        S = self.cache_len(P, max_new_tokens)
+        Pb = min(bucket(P, MIN_PROMPT_BUCKET), S)
+        tokens = np.zeros((1, Pb), np.int32)
+        tokens[0, :P] = prompt_ids
+        cache = init_cache(self.cfg, 1, S, jax.tree.leaves(self.params)[0].dtype)
+        key = jax.random.key(seed)
+        lengths = jnp.array([P], jnp.int32)
+        dp = self.drafter_params
+
+        pre_args = (self.params, dp, tokens, lengths, cache, key)
+        run_prefill, c1 = self._compiled(
+            "prefill", (Pb, S), prefill_and_draft, *pre_args, **self._static
+        )
+        first, candidates, prompt_block = jax.eval_shape(
+            partial(prefill_and_draft, **self._static), *pre_args
+        )
+        step_args = (self.params, dp, cache, first, candidates, key)
+        run_step, c2 = self._compiled("step", (S,), speculative_step, *step_args, **self._static)
+        *_, path_block = jax.eval_shape(partial(speculative_step, **self._static), *step_args)
+        commit_prompt, c3 = self._compiled("commit", (Pb, S), commit, cache, prompt_block, lengths)
+        commit_path, c4 = self._compiled("commit", ("path", S), commit, cache, path_block, lengths)
+
+        eos = set(self.cfg.eos_token_ids)
+        start = time.perf_counter()
+        current, candidates, block = run_prefill(*pre_args)
+        cache = commit_prompt(cache, block, lengths)
+        out = [int(current[0])]
+        prefill_s = time.perf_counter() - start
+        if on_tokens:
+            on_tokens(out)
+        steps = 1
+        start = time.perf_counter()
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            emitted, n, current, candidates, block = run_step(
+                self.params, dp, cache, current, candidates, key
+            )
+            cache = commit_path(cache, block, n)
+            new = np.asarray(emitted[0, : int(n[0])]).tolist()
+            new = _until_eos(new, eos)[: max_new_tokens - len(out)]
+            out += new
+            steps += 1
+            if on_tokens:
+                on_tokens(new)
+        decode_s = time.perf_counter() - start
+        return GenerationResult(
+            list(prompt_ids), out, steps, prefill_s, decode_s, c1 + c2 + c3 + c4
+        )
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens

@@ -1,0 +1,157 @@
+"""Static draft trees: a hashable spec built from paths, and its numpy constants.
+
+A path is a tuple of top-k ranks, one per depth: (0,) is the drafter's best guess for the
+next token, (0, 1) the second guess for the token after it, under (0,). Node 0 is the
+root: the newest token, already chosen but not yet in the cache. Example, paths
+[(0,), (1,), (0, 0)] give nodes 0 root, 1 = (0,), 2 = (1,), 3 = (0, 0) and
+
+    mask (node attends to)     depth   parent   retrieve (root-to-leaf paths, -1 pads)
+    1 0 0 0                    0       -1       [0, 1, 3]
+    1 1 0 0                    1        0       [0, 2, -1]
+    1 0 1 0                    1        0
+    1 1 0 1                    2        1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Sequence
+from functools import cached_property
+
+import numpy as np
+
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    paths: tuple[tuple[int, ...], ...]  # sorted by (depth, ranks); the root is implicit
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreeSpec:
+        normal = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if len(normal) != len(paths):
+            raise JaxspecError("invalid tree: a path is listed twice")
+        present = set(normal)
+        for p in normal:
+            if not p or min(p) < 0:
+                raise JaxspecError(
+                    f"invalid tree: path {p} must be a non-empty tuple of ranks >= 0"
+                )
+            if len(p) > 1 and p[:-1] not in present:
+                raise JaxspecError(f"invalid tree: path {p} has no parent {p[:-1]} in the tree")
+        return cls(tuple(normal))
+
+    @classmethod
+    def chain(cls, depth: int) -> TreeSpec:
+        """Top-1 guesses only: a chain of `depth` drafted tokens."""
+        return cls.from_paths([(0,) * d for d in range(1, depth + 1)])
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def max_depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    @cached_property
+    def depth(self) -> np.ndarray:
+        """[T] depth of each node (root 0)."""
+        return np.array([0] + [len(p) for p in self.paths], np.int32)
+
+    @cached_property
+    def rank(self) -> np.ndarray:
+        """[T] top-k rank of each node among its depth's guesses (root 0)."""
+        return np.array([0] + [p[-1] for p in self.paths], np.int32)
+
+    @cached_property
+    def parent(self) -> np.ndarray:
+        """[T] parent node index (root -1)."""
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        return np.array([-1] + [index.get(p[:-1], 0) for p in self.paths], np.int32)
+
+    @cached_property
+    def mask(self) -> np.ndarray:
+        """[T,T] bool: node i attends to node j iff j is i or an ancestor of i."""
+        T = self.n_nodes
+        mask = np.eye(T, dtype=bool)
+        for i in range(1, T):
+            mask[i] |= mask[self.parent[i]]
+        return mask
+
+    @cached_property
+    def retrieve(self) -> np.ndarray:
+        """[P, max_depth + 1] node indices of each root-to-leaf path, padded with -1."""
+        leaves = [i for i in range(self.n_nodes) if i not in set(self.parent.tolist())]
+        out = np.full((len(leaves), self.max_depth + 1), -1, np.int32)
+        for row, leaf in enumerate(leaves):
+            chain = [leaf]
+            while chain[-1] != 0:
+                chain.append(int(self.parent[chain[-1]]))
+            out[row, : len(chain)] = chain[::-1]
+        return out
+
+    @cached_property
+    def children(self) -> np.ndarray:
+        """[T, C] child node indices in rank order, padded with -1 (C = most children)."""
+        kids = [[] for _ in range(self.n_nodes)]
+        for i in range(1, self.n_nodes):
+            kids[self.parent[i]].append(i)
+        width = max(1, max(len(k) for k in kids))
+        out = np.full((self.n_nodes, width), -1, np.int32)
+        for i, k in enumerate(kids):
+            k.sort(key=lambda n: self.rank[n])
+            out[i, : len(k)] = k
+        return out
+
+
+def search_tree(accuracy: np.ndarray, n_nodes: int) -> TreeSpec:
+    """The tree of `n_nodes` (root included) that maximises the expected accepted length.
+
+    accuracy [depth, k]: measured probability that a drafter's rank-r guess at depth d is
+    the right token (FIRP §3.4 / Medusa's tree search). A path is accepted with the
+    product of its nodes' accuracies, and the expected accepted length is the sum of
+    those products over all nodes; since a child's value never exceeds its parent's,
+    taking the best frontier node each time gives the optimal tree.
+    """
+    accuracy = np.asarray(accuracy, np.float64)
+    depth_max, k = accuracy.shape
+    frontier = [(-accuracy[0, r], (r,)) for r in range(k)]
+    heapq.heapify(frontier)
+    chosen = []
+    while frontier and len(chosen) < n_nodes - 1:
+        neg_value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < depth_max:
+            for r in range(k):
+                heapq.heappush(frontier, (neg_value * accuracy[len(path), r], path + (r,)))
+    return TreeSpec.from_paths(chosen)
+
+
+# Presets. CPU trees are small (a CPU verify step costs ~1.5x AR at 8 nodes, ~2x at 16);
+# the GPU tree has the size and shape class of Medusa's mc_sim_7b_63 (63 nodes, depth 4,
+# top-10 per head), here searched from typical Medusa head accuracies.
+_TYPICAL_ACCURACY = np.array(
+    [
+        [0.60, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.012, 0.01, 0.008],
+        [0.40, 0.10, 0.05, 0.03, 0.02, 0.015, 0.012, 0.01, 0.008, 0.006],
+        [0.30, 0.08, 0.04, 0.025, 0.018, 0.012, 0.01, 0.008, 0.006, 0.005],
+        [0.25, 0.07, 0.035, 0.02, 0.015, 0.01, 0.008, 0.006, 0.005, 0.004],
+    ]
+)
+PRESETS = {
+    "chain-4": TreeSpec.chain(4),
+    "cpu-8": search_tree(_TYPICAL_ACCURACY, 8),
+    "cpu-16": search_tree(_TYPICAL_ACCURACY, 16),
+    "cpu-24": search_tree(_TYPICAL_ACCURACY, 24),
+    "gpu-32": search_tree(_TYPICAL_ACCURACY, 32),
+    "gpu-63": search_tree(_TYPICAL_ACCURACY, 64),  # 63 drafted nodes + the root
+}
+
+
+def tree_preset(name: str) -> TreeSpec:
+    if name in PRESETS:
+        return PRESETS[name]
+    raise JaxspecError(f"unknown tree {name!r}; known: {', '.join(PRESETS)}")

@@ -1,0 +1,89 @@
+"""Tree verification: one forward over the draft tree, then acceptance.
+
+Greedy: the longest root-to-leaf path whose drafted tokens each equal the model's argmax
+at their parent, plus the model's own next token after it (the bonus).
+
+Sampling (lossless): from the root, the children's drafted tokens are tried in rank order
+against the model's warped distribution p at the current node: a child with token t is
+accepted with probability r(t) / sum(r), where r is p with the tokens already rejected
+at this node removed; on acceptance the walk moves to that child, otherwise t is removed
+from r. When no child is accepted (or at a leaf) the bonus token is drawn from r. The
+drafted tokens are fixed before any of this randomness is drawn, so every emitted token
+is distributed exactly as p given the tokens before it: the output distribution is the
+model's, for any tree and any drafter.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.kv_cache import KVBlock
+from jaxspec.sampling import Sampling, warped_logprobs
+from jaxspec.tree import TreeSpec
+
+
+def tree_tokens(current: jax.Array, candidates: jax.Array) -> jax.Array:
+    """current [B] (the root) + candidates [B,T-1] -> tree tokens [B,T]."""
+    return jnp.concatenate([current[:, None], candidates], axis=1)
+
+
+def accept_greedy(tree: TreeSpec, tokens: jax.Array, logits: jax.Array):
+    """tokens [B,T], logits [B,T,V] -> accepted path nodes [B,D+1], accepted count [B],
+    bonus token [B]. Node slots past the accepted count are 0 (unused)."""
+    retrieve = jnp.asarray(tree.retrieve)  # [P,D+1]
+    valid = retrieve >= 0
+    nodes_all = jnp.maximum(retrieve, 0)
+    predicted = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,T]
+    path_tokens = tokens[:, nodes_all]  # [B,P,D+1]
+    path_predicted = predicted[:, nodes_all]
+    match = (path_tokens[:, :, 1:] == path_predicted[:, :, :-1]) & valid[None, :, 1:]
+    accepted = jnp.cumprod(match, axis=-1).sum(-1)  # [B,P]
+    best = jnp.argmax(accepted, axis=-1)  # [B]
+    n_accepted = jnp.take_along_axis(accepted, best[:, None], axis=1)[:, 0]
+    nodes = nodes_all[best] * (jnp.arange(tree.max_depth + 1) <= n_accepted[:, None])
+    last = jnp.take_along_axis(nodes, n_accepted[:, None], axis=1)[:, 0]
+    bonus = jnp.take_along_axis(predicted, last[:, None], axis=1)[:, 0]
+    return nodes, n_accepted, bonus
+
+
+def accept_sampling(tree: TreeSpec, tokens, logits, keys, sampling: Sampling):
+    """As accept_greedy, by lossless rejection sampling; keys [B] one PRNG key per row."""
+    probs = jnp.exp(warped_logprobs(logits, sampling))  # [B,T,V]
+    return jax.vmap(lambda t, p, k: _sample_path(tree, t, p, k))(tokens, probs, keys)
+
+
+def _sample_path(tree: TreeSpec, tokens, probs, key):
+    """One row: tokens [T], probs [T,V] -> nodes [D+1], accepted count, bonus token."""
+    children = jnp.asarray(tree.children)  # [T,C]
+    D, C = tree.max_depth, children.shape[1]
+    uniforms = jax.random.uniform(key, (max(D, 1), C))
+    node, n_accepted, done = jnp.int32(0), jnp.int32(0), jnp.bool_(False)
+    nodes = jnp.zeros((D + 1,), jnp.int32)
+    residual = probs[0]
+    for d in range(D):
+        chosen = jnp.int32(-1)
+        for c in range(C):
+            child = children[node, c]
+            token = tokens[jnp.maximum(child, 0)]
+            trying = (child >= 0) & ~done & (chosen < 0)
+            p_accept = residual[token] / jnp.maximum(residual.sum(), 1e-30)
+            accept = trying & (uniforms[d, c] < p_accept)
+            chosen = jnp.where(accept, child, chosen)
+            residual = jnp.where(trying & ~accept, residual.at[token].set(0.0), residual)
+        moved = chosen >= 0
+        node = jnp.where(moved, chosen, node)
+        nodes = nodes.at[d + 1].set(jnp.where(moved, chosen, 0))
+        n_accepted = n_accepted + moved
+        residual = jnp.where(moved, probs[node], residual)
+        done = done | ~moved
+    bonus_key = jax.random.fold_in(key, 1)
+    bonus = jax.random.categorical(bonus_key, jnp.log(residual)).astype(jnp.int32)
+    return nodes, n_accepted, bonus
+
+
+def gather_path(block: KVBlock, nodes: jax.Array) -> KVBlock:
+    """Keys/values of the accepted path, in order: each [B,K,T,H] -> [B,K,D+1,H]."""
+    index = nodes[:, None, :, None]
+    take = lambda x: jnp.take_along_axis(x, index, axis=2)  # noqa: E731
+    return KVBlock(tuple(map(take, block.keys)), tuple(map(take, block.values)))

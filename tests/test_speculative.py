@@ -1,0 +1,175 @@
+"""The speculative engine: tree constants, lossless greedy and sampling, compile reuse."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import LlamaConfig, preset
+from jaxspec.decode import SpeculativeGenerator, prefill_and_draft, speculative_step
+from jaxspec.errors import JaxspecError
+from jaxspec.generate import ARGenerator
+from jaxspec.kv_cache import causal_mask, commit, init_cache
+from jaxspec.llama import forward, init_params
+from jaxspec.sampling import Sampling, warped_logprobs
+from jaxspec.tree import TreeSpec, search_tree, tree_preset
+from tests.drafters import OracleDrafter, RandomDrafter
+
+TREES = ["chain-4", "cpu-8", "cpu-16", "cpu-24"]
+
+
+def test_tree_constants_literal():
+    tree = TreeSpec.from_paths([(1,), (0, 0), (0,)])
+    assert tree.paths == ((0,), (1,), (0, 0))
+    np.testing.assert_array_equal(tree.depth, [0, 1, 1, 2])
+    np.testing.assert_array_equal(tree.parent, [-1, 0, 0, 1])
+    np.testing.assert_array_equal(
+        tree.mask, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    )
+    np.testing.assert_array_equal(tree.retrieve, [[0, 2, -1], [0, 1, 3]])
+    np.testing.assert_array_equal(tree.children, [[1, 2], [3, -1], [-1, -1], [-1, -1]])
+    assert hash(tree) == hash(TreeSpec.from_paths([(0,), (1,), (0, 0)]))
+
+
+def test_empty_tree_is_ar():
+    tree = TreeSpec(())
+    assert tree.n_nodes == 1 and tree.max_depth == 0
+    np.testing.assert_array_equal(tree.retrieve, [[0]])
+
+
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ([(0,), (1, 0)], "has no parent"),
+        ([(0,), (0,)], "listed twice"),
+        ([(0,), (-1,)], "ranks >= 0"),
+        ([()], "non-empty"),
+    ],
+)
+def test_bad_trees_are_clear_errors(paths, message):
+    with pytest.raises(JaxspecError, match=message):
+        TreeSpec.from_paths(paths)
+    with pytest.raises(JaxspecError, match="unknown tree"):
+        tree_preset("nope")
+
+
+def test_tree_search_is_optimal_on_a_small_case():
+    acc = np.array([[0.7, 0.2], [0.5, 0.1]])
+    tree = search_tree(acc, 4)  # values: (0)=.7 (0,0)=.35 (1)=.2 (0,1)=.07 (1,0)=.1
+    assert tree.paths == ((0,), (1,), (0, 0))
+    assert tree_preset("gpu-63").n_nodes == 64 and tree_preset("cpu-16").n_nodes == 16
+
+
+def tiny(name="tiny-gqa", vocab=None) -> tuple[LlamaConfig, dict]:
+    cfg = dataclasses.replace(preset(name), eos_token_ids=())
+    if vocab:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab)
+    return cfg, init_params(cfg, jax.random.key(0), scale=0.3)
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
+@pytest.mark.parametrize("tree_name", TREES)
+def test_greedy_is_lossless_with_random_and_oracle_drafters(name, tree_name):
+    cfg, params = tiny(name)
+    prompt = [5, 6, 7, 8, 9]
+    ar = ARGenerator(cfg, params).generate(prompt, 40).token_ids
+    tree = tree_preset(tree_name)
+    random = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
+    assert random.generate(prompt, 40).token_ids == ar
+    reference = jnp.asarray(prompt + ar + [0] * 16, jnp.int32)
+    oracle = SpeculativeGenerator(cfg, params, OracleDrafter(cfg.vocab_size), reference, tree)
+    result = oracle.generate(prompt, 40)
+    assert result.token_ids == ar
+    # Right guesses are accepted: nearly max_depth + 1 tokens per step.
+    assert result.mean_accepted > tree.max_depth * 0.8
+
+
+def test_empty_tree_generator_equals_ar_and_never_recompiles():
+    cfg, params = tiny()
+    gen = SpeculativeGenerator(cfg, params)
+    a = gen.generate([5, 6, 7], 30)
+    assert a.token_ids == ARGenerator(cfg, params).generate([5, 6, 7], 30).token_ids
+    count = len(gen._executables)
+    b = gen.generate([9, 8, 7, 6], 25)  # same buckets: nothing new compiles
+    assert b.compile_s == 0 and len(gen._executables) == count
+    assert speculative_step._cache_size() == 0  # only the AOT executables ran
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+def test_sampling_is_reproducible_and_varies_with_seed(tree_name):
+    cfg, params = tiny()
+    gen = SpeculativeGenerator(
+        cfg, params, RandomDrafter(cfg.vocab_size), None, tree_preset(tree_name), Sampling(1.0)
+    )
+    a = gen.generate([5, 6, 7], 30, seed=3).token_ids
+    assert a == gen.generate([5, 6, 7], 30, seed=3).token_ids
+    assert a != gen.generate([5, 6, 7], 30, seed=4).token_ids
+
+
+def exact_two_token_distribution(cfg, params, context, sampling):
+    """p(x1, x2 | context) [V,V] from the model's warped distributions."""
+    V = cfg.vocab_size
+    seqs = jnp.asarray([context + [x1] for x1 in range(V)], jnp.int32)  # [V,C+1]
+    T = seqs.shape[1]
+    logits, _, _ = forward(
+        params, cfg, seqs, jnp.broadcast_to(jnp.arange(T), seqs.shape),
+        init_cache(cfg, V, T), causal_mask(V, T),
+    )  # fmt: skip
+    p = np.exp(np.asarray(warped_logprobs(logits, sampling), np.float64))
+    return p[0, -2][:, None] * p[:, -1]  # p(x1) * p(x2 | x1)
+
+
+@pytest.mark.parametrize(
+    "tree_name, sampling",
+    [
+        ("chain-4", Sampling(1.0)),
+        ("cpu-8", Sampling(0.7)),
+        ("cpu-16", Sampling(1.0, top_p=0.8)),
+        ("cpu-24", Sampling(1.3, top_k=5)),
+    ],
+)
+def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling):
+    """Chi-square of the first two emitted tokens over many rows against the exact
+    two-token distribution, for drafts that are often right (tiny vocabulary)."""
+    from scipy.stats import chisquare
+
+    cfg, params = tiny("tiny-mqa", vocab=6)
+    tree = tree_preset(tree_name)
+    prompt, root, N = [1, 4, 2, 5], 3, 12000
+    static = dict(cfg=cfg, sampling=sampling, tree=tree, drafter=RandomDrafter(cfg.vocab_size))
+    cache = init_cache(cfg, N, 32)
+    tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (N, len(prompt)))
+    lengths = jnp.full((N,), len(prompt), jnp.int32)
+    _, _, block = prefill_and_draft(
+        params, None, tokens, lengths, cache, jax.random.key(0), **static
+    )
+    cache = commit(cache, block, lengths)
+    current = jnp.full((N,), root, jnp.int32)
+    candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)
+    emitted, n, current, candidates, block = speculative_step(
+        params, None, cache, current, candidates, jax.random.key(2), **static
+    )
+    cache = commit(cache, block, n)
+    emitted2, *_ = speculative_step(
+        params, None, cache, current, candidates, jax.random.key(3), **static
+    )
+    emitted, n, emitted2 = np.asarray(emitted), np.asarray(n), np.asarray(emitted2)
+    x1 = emitted[:, 0]
+    x2 = np.where(n >= 2, emitted[:, 1], emitted2[:, 0])
+    assert (n >= 2).mean() > 0.1  # drafts were accepted often enough to matter
+
+    expected = exact_two_token_distribution(cfg, params, prompt + [root], sampling) * N
+    observed = np.zeros_like(expected)
+    np.add.at(observed, (x1, x2), 1)
+    assert observed[expected == 0].sum() == 0  # nothing outside top-k / top-p support
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = exp * obs.sum() / exp.sum()  # float32 probabilities sum to 1 within ~1e-7
+    assert chisquare(obs, exp).pvalue > 1e-3
