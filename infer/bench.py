@@ -19,11 +19,10 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from infer.common import METHODS, check_method, load_model
+from infer.common import METHODS, build_generator, check_method, load_model
 from jaxspec.cli import run_main
 from jaxspec.data.sources import load_questions
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import ARGenerator
 from jaxspec.text import encode_conversation
 
 PEERS = ("hf",)
@@ -70,12 +69,12 @@ class Runner:
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
-            self.ar = ARGenerator(model.cfg, model.params)
+            self.generator = build_generator(model, name)
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":
             return self.peer.generate(prompt_ids, max_new_tokens)
-        r = self.ar.generate(prompt_ids, max_new_tokens)
+        r = self.generator.generate(prompt_ids, max_new_tokens)
         return r.token_ids, r.steps, r.prefill_s + r.decode_s
 
 

@@ -1,16 +1,24 @@
-"""What the command-line tools share: loading a model (the default one on first use)."""
+"""What the command-line tools share: loading a model (the default one on first use) and
+building a generator for any method with its default drafter."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import jax
+
 from checkpoints_convert.default_model import ensure_default_model
 from checkpoints_convert.hf import load_tokenizer
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.config import LlamaConfig
+from jaxspec.decode import SpeculativeGenerator
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import Sampling
+from jaxspec.tree import tree_preset
 
-METHODS = ("ar",)  # grows as drafters land: medusa, firp, chimera, sdsat, ppd
+METHODS = ("ar", "medusa")  # grows as drafters land: firp, chimera, sdsat, ppd
+DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 
 
 @dataclasses.dataclass
@@ -29,9 +37,39 @@ def load_model(path: Path | None = None) -> LoadedModel:
 
 
 def check_method(method: str) -> None:
-    from jaxspec.errors import JaxspecError
-
     if method not in METHODS:
         raise JaxspecError(
             f"unknown or not yet available method {method!r}; available: {', '.join(METHODS)}"
         )
+
+
+def default_tree(method: str) -> str:
+    on_cpu = jax.default_backend() == "cpu"
+    return {"ar": None, "medusa": "cpu-16" if on_cpu else "gpu-63"}[method]
+
+
+def build_generator(
+    model: LoadedModel,
+    method: str,
+    drafter_dir: Path | None = None,
+    tree: str | None = None,
+    sampling: Sampling | None = None,
+    max_len: int | None = None,
+) -> SpeculativeGenerator:
+    check_method(method)
+    if method == "ar":
+        return SpeculativeGenerator(model.cfg, model.params, sampling=sampling, max_len=max_len)
+    from jaxspec.drafters.medusa import MedusaDrafter
+    from jaxspec.drafters.store import load_drafter
+
+    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
+    settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
+    drafter = MedusaDrafter(model.cfg, settings["n_heads"], settings.get("own_lm_head", False))
+    spec = tree_preset(tree or default_tree(method))
+    if spec.max_depth > drafter.n_heads:
+        raise JaxspecError(
+            f"tree {tree!r} is {spec.max_depth} deep but the drafter has {drafter.n_heads} heads"
+        )
+    return SpeculativeGenerator(
+        model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len
+    )

@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from infer.common import METHODS, check_method, load_model
+from infer.common import METHODS, build_generator, check_method, load_model
 from jaxspec.cli import run_main
-from jaxspec.generate import ARGenerator
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
 
@@ -30,6 +29,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--drafter", type=Path, help="drafter folder (default: the one shipped for the model)"
     )
+    p.add_argument("--tree", help="tree preset (default: the method's, by backend)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -52,7 +52,7 @@ def _main(argv) -> None:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = load_model(args.model)
     prompt_ids = encode_prompt(model.tokenizer, prompt, chat=not args.no_chat)
-    generator = ARGenerator(model.cfg, model.params, sampling, args.max_len)
+    generator = build_generator(model, args.method, args.drafter, args.tree, sampling, args.max_len)
 
     stream = None if args.json else TextStream(model.tokenizer)
 

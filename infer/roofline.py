@@ -19,22 +19,26 @@ import numpy as np
 
 from jaxspec.checkpoint import default_dtype
 from jaxspec.config import preset
-from jaxspec.generate import decode_step
+from jaxspec.decode import NoDrafter, speculative_step
 from jaxspec.kv_cache import commit, init_cache
 from jaxspec.llama import init_params
 from jaxspec.sampling import Sampling
+from jaxspec.tree import TreeSpec
 
 
 def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype) -> dict:
     params = init_params(cfg, jax.random.key(0), dtype)
     cache = init_cache(cfg, 1, context + steps + 1, dtype)
     cache = cache.replace(lengths=jnp.array([context], jnp.int32))
-    token, key, one = jnp.zeros((1,), jnp.int32), jax.random.key(0), jnp.ones((1,), jnp.int32)
-    step = jax.jit(decode_step, static_argnames=("cfg", "sampling"))
+    token, key = jnp.zeros((1,), jnp.int32), jax.random.key(0)
+    no_candidates = jnp.zeros((1, 0), jnp.int32)
+    static = dict(cfg=cfg, sampling=Sampling(), tree=TreeSpec(()), drafter=NoDrafter())
 
-    def run(n, cache, token):
+    def run(n, cache, token):  # plain AR: the empty tree
         for _ in range(n):
-            token, block = step(params, token, cache, key, cfg=cfg, sampling=Sampling())
+            _, one, token, _, block = speculative_step(
+                params, None, cache, token, no_candidates, key, **static
+            )
             cache = commit(cache, block, one)
         jax.block_until_ready(token)
         return cache, token

@@ -80,14 +80,22 @@ def run_layers(
     return h, KVBlock(tuple(keys), tuple(values)), collected
 
 
-def lm_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
-    """Final norm and output projection: h [B,T,D] -> logits [B,T,V] in float32."""
-    x = rms_norm(h, params["norm"], cfg.norm_eps)
+def final_norm(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
+    return rms_norm(h, params["norm"], cfg.norm_eps)
+
+
+def vocab_projection(params: Params, cfg: LlamaConfig, x: jax.Array) -> jax.Array:
+    """The output projection (lm_head, or the tied embeddings): x [...,D] -> [...,V] float32."""
     if cfg.tie_embeddings:
-        logits = jnp.einsum("btd,vd->btv", x, params["embed_tokens"])
+        logits = jnp.einsum("...d,vd->...v", x, params["embed_tokens"])
     else:
         logits = x @ params["lm_head"]
     return logits.astype(jnp.float32)
+
+
+def lm_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
+    """Final norm and output projection: h [B,T,D] -> logits [B,T,V] in float32."""
+    return vocab_projection(params, cfg, final_norm(params, cfg, h))
 
 
 def forward(

@@ -10,7 +10,7 @@ import pytest
 from infer.bench import main as bench_main
 from infer.generate import main as generate_main
 from jaxspec.checkpoint import load_checkpoint
-from jaxspec.generate import ARGenerator
+from jaxspec.decode import SpeculativeGenerator
 from jaxspec.text import encode_prompt
 from tests.conftest import one_line_error, tiny_tokenizer
 from train.cli import main as train_main
@@ -34,7 +34,7 @@ def test_generate_json(tiny_ckpt, capsys):
         assert field in got
     cfg, params = load_checkpoint(ckpt, jnp.float32)
     ids = encode_prompt(tiny_tokenizer(), "w5 w9 w7")
-    assert got["token_ids"] == ARGenerator(cfg, params).generate(ids, 12).token_ids
+    assert got["token_ids"] == SpeculativeGenerator(cfg, params).generate(ids, 12).token_ids
     assert got["new_tokens"] == len(got["token_ids"]) and got["mean_accepted"] == 1.0
 
 
@@ -92,8 +92,8 @@ def test_bench_bad_questions(tmp_path, capsys):
 
 
 def test_train_names_what_exists(capsys):
-    err = one_line_error(train_main, ["medusa"], capsys)
-    assert "no trainer for method 'medusa'" in err
+    err = one_line_error(train_main, ["firp"], capsys)
+    assert "no trainer for method 'firp' in this version (available: medusa)" in err
 
 
 def test_roofline_reports_a_fraction(capsys):

@@ -66,14 +66,13 @@ def test_generate_cli_equals_hf_greedy(models, capsys):
 
 def test_random_drafter_is_lossless_on_the_default_model(models):
     from jaxspec.decode import SpeculativeGenerator
-    from jaxspec.generate import ARGenerator
     from jaxspec.text import encode_prompt
     from jaxspec.tree import tree_preset
     from tests.drafters import RandomDrafter
 
     ours, _ = models
     ids = encode_prompt(ours.tokenizer, PROMPT)
-    ar = ARGenerator(ours.cfg, ours.params).generate(ids, 24).token_ids
+    ar = SpeculativeGenerator(ours.cfg, ours.params).generate(ids, 24).token_ids
     drafter = RandomDrafter(ours.cfg.vocab_size)
     spec = SpeculativeGenerator(ours.cfg, ours.params, drafter, None, tree_preset("cpu-16"))
     assert spec.generate(ids, 24).token_ids == ar

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from jaxspec.checkpoint import load_checkpoint
+from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import ARGenerator, bucket
+from jaxspec.generate import bucket
 from jaxspec.sampling import Sampling, position_keys, select_tokens, warped_logprobs
 
 
@@ -25,7 +26,7 @@ def tiny(tiny_ckpt):
 def test_greedy_equals_hf_generate(tiny, prompt_len):
     cfg, params, model = tiny
     prompt = list(np.random.default_rng(prompt_len).integers(3, 101, prompt_len))
-    ours = ARGenerator(cfg, params).generate(prompt, max_new_tokens=40)
+    ours = SpeculativeGenerator(cfg, params).generate(prompt, max_new_tokens=40)
     with torch.no_grad():
         ref = model.generate(
             torch.tensor([prompt]),
@@ -40,7 +41,7 @@ def test_greedy_equals_hf_generate(tiny, prompt_len):
 
 def test_compiles_once_per_bucket(tiny):
     cfg, params, _ = tiny
-    gen = ARGenerator(cfg, params)
+    gen = SpeculativeGenerator(cfg, params)
     first = gen.generate([5, 6, 7], max_new_tokens=20)
     assert first.compile_s > 0 and len(gen._executables) == 4  # prefill, step, 2 commits
     again = gen.generate([9, 8, 7, 6], max_new_tokens=30)  # same buckets: nothing compiles
@@ -49,7 +50,7 @@ def test_compiles_once_per_bucket(tiny):
 
 def test_stops_at_eos_and_max_new_tokens(tiny):
     cfg, params, _ = tiny
-    gen = ARGenerator(cfg, params)
+    gen = SpeculativeGenerator(cfg, params)
     out = gen.generate([5, 6, 7], max_new_tokens=60).token_ids
     assert len(out) <= 60
     assert 2 not in out[:-1]  # nothing after an EOS
@@ -58,7 +59,7 @@ def test_stops_at_eos_and_max_new_tokens(tiny):
 
 def test_bad_lengths_are_clear_errors(tiny):
     cfg, params, _ = tiny
-    gen = ARGenerator(cfg, params, max_len=64)
+    gen = SpeculativeGenerator(cfg, params, max_len=64)
     with pytest.raises(JaxspecError, match="empty prompt"):
         gen.generate([], 5)
     with pytest.raises(JaxspecError, match="exceeds the cache of 64 positions; shorten the prompt"):
@@ -82,7 +83,7 @@ def test_bucket():
 
 def test_sampling_is_reproducible(tiny):
     cfg, params, _ = tiny
-    gen = ARGenerator(cfg, params, Sampling(temperature=1.0, top_p=0.9))
+    gen = SpeculativeGenerator(cfg, params, sampling=Sampling(temperature=1.0, top_p=0.9))
     a = gen.generate([5, 6, 7], 30, seed=1).token_ids
     assert a == gen.generate([5, 6, 7], 30, seed=1).token_ids
     assert a != gen.generate([5, 6, 7], 30, seed=2).token_ids

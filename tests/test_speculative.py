@@ -12,7 +12,6 @@ import pytest
 from jaxspec.config import LlamaConfig, preset
 from jaxspec.decode import SpeculativeGenerator, prefill_and_draft, speculative_step
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import ARGenerator
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import forward, init_params
 from jaxspec.sampling import Sampling, warped_logprobs
@@ -76,7 +75,7 @@ def tiny(name="tiny-gqa", vocab=None) -> tuple[LlamaConfig, dict]:
 def test_greedy_is_lossless_with_random_and_oracle_drafters(name, tree_name):
     cfg, params = tiny(name)
     prompt = [5, 6, 7, 8, 9]
-    ar = ARGenerator(cfg, params).generate(prompt, 40).token_ids
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
     tree = tree_preset(tree_name)
     random = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
     assert random.generate(prompt, 40).token_ids == ar
@@ -88,12 +87,14 @@ def test_greedy_is_lossless_with_random_and_oracle_drafters(name, tree_name):
     assert result.mean_accepted > tree.max_depth * 0.8
 
 
-def test_empty_tree_generator_equals_ar_and_never_recompiles():
+@pytest.mark.parametrize("tree_name", [None, "cpu-16"])
+def test_steps_never_recompile(tree_name):
     cfg, params = tiny()
-    gen = SpeculativeGenerator(cfg, params)
-    a = gen.generate([5, 6, 7], 30)
-    assert a.token_ids == ARGenerator(cfg, params).generate([5, 6, 7], 30).token_ids
+    tree = tree_preset(tree_name) if tree_name else None
+    gen = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
+    gen.generate([5, 6, 7], 30)
     count = len(gen._executables)
+    assert count == 4  # prefill, step, and the two commits
     b = gen.generate([9, 8, 7, 6], 25)  # same buckets: nothing new compiles
     assert b.compile_s == 0 and len(gen._executables) == count
     assert speculative_step._cache_size() == 0  # only the AOT executables ran

@@ -11,7 +11,14 @@ import argparse
 from jaxspec.cli import run_main
 from jaxspec.errors import JaxspecError
 
-TRAINERS: dict = {}  # method name -> main(argv)
+
+def _medusa(argv):
+    from train.medusa import main
+
+    main(argv)
+
+
+TRAINERS = {"medusa": _medusa}  # method name -> main(argv)
 PLANNED = ("medusa", "firp", "chimera", "sdsat", "ppd")
 
 

@@ -1,0 +1,68 @@
+"""Medusa: K heads on the base model's last (normed) hidden state; head k guesses the token
+k positions after the base model's own next token.
+
+Head k: y = x + SiLU(x W_k + b_k) (W_k zero-initialised), then the vocabulary projection:
+the frozen base lm_head by default (the drafter stays ~1.3 MB per head at D=576), or a
+head-owned copy initialised from it (`own_lm_head`). Tree nodes at depth d, rank r take the
+rank-r token of head d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import LlamaConfig
+from jaxspec.decode import Drafter
+from jaxspec.errors import JaxspecError
+from jaxspec.llama import final_norm, vocab_projection
+from jaxspec.tree import TreeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter(Drafter):
+    cfg: LlamaConfig  # the base model's
+    n_heads: int = 4
+    own_lm_head: bool = False
+
+    @property
+    def collect(self) -> tuple[int, ...]:
+        return (self.cfg.n_layers,)
+
+    def init(self, base_params, key=None) -> dict:
+        D = self.cfg.dim
+        heads = [{"w": jnp.zeros((D, D)), "b": jnp.zeros((D,))} for _ in range(self.n_heads)]
+        if self.own_lm_head:
+            lm = (
+                base_params["embed_tokens"].T if self.cfg.tie_embeddings else base_params["lm_head"]
+            )
+            for head in heads:
+                head["lm_head"] = jnp.array(lm)
+        return {"heads": heads}
+
+    def head_logits(self, base_params, params, h: jax.Array) -> jax.Array:
+        """h [...,D] pre-norm last-layer states -> logits [...,K,V] float32."""
+        x = final_norm(base_params, self.cfg, h)
+        out = []
+        for head in params["heads"]:
+            y = x + jax.nn.silu(x @ head["w"] + head["b"])
+            if "lm_head" in head:
+                out.append((y @ head["lm_head"]).astype(jnp.float32))
+            else:
+                out.append(vocab_projection(base_params, self.cfg, y))
+        return jnp.stack(out, axis=-2)
+
+    def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
+        if tree.max_depth > self.n_heads:
+            raise JaxspecError(
+                f"tree depth {tree.max_depth} exceeds the drafter's {self.n_heads} Medusa heads; "
+                "pick a shallower tree"
+            )
+        if tree.n_nodes == 1:
+            return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
+        logits = self.head_logits(params, drafter_params, inputs.hidden[self.cfg.n_layers])
+        top = jax.lax.top_k(logits, int(tree.rank.max()) + 1)[1]  # [B,K,k]
+        depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
+        return top[:, depth, rank].astype(jnp.int32)  # [B,T-1]

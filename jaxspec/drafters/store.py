@@ -1,0 +1,93 @@
+"""Drafter folders: drafter.safetensors + drafter.json (method, settings, base-model
+fingerprint) + CARD.md. Loading checks the fingerprint against the base model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from jaxspec.config import LlamaConfig
+from jaxspec.errors import JaxspecError
+
+WEIGHTS, META = "drafter.safetensors", "drafter.json"
+
+
+def fingerprint(cfg: LlamaConfig) -> dict:
+    return {
+        "vocab_size": cfg.vocab_size,
+        "dim": cfg.dim,
+        "n_layers": cfg.n_layers,
+        "name": cfg.name,
+    }
+
+
+def flatten(tree, prefix="") -> dict[str, np.ndarray]:
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = ((str(i), v) for i, v in enumerate(tree))
+    else:
+        return {prefix[:-1]: np.asarray(tree, np.float32)}
+    out = {}
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def unflatten(flat: dict[str, np.ndarray]):
+    root: dict = {}
+    for key, value in flat.items():
+        node, parts = root, key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        if node and all(k.isdigit() for k in node):
+            return [listify(node[str(i)]) for i in range(len(node))]
+        return {k: listify(v) for k, v in node.items()}
+
+    return listify(root)
+
+
+def save_drafter(out: Path, method: str, settings: dict, params, base: LlamaConfig, card: str):
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(flatten(params), str(out / WEIGHTS))
+    meta = {"method": method, "settings": settings, "base_model": fingerprint(base)}
+    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    (out / "CARD.md").write_text(card)
+
+
+def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32):
+    """-> (settings, params). Clear errors for missing, corrupt or mismatched drafters."""
+    path = Path(path)
+    if not (path / META).is_file() or not (path / WEIGHTS).is_file():
+        raise JaxspecError(
+            f"no drafter at {path} (needs {META} and {WEIGHTS}); train one with "
+            f"`jaxspec-train {method}` or pass --drafter DIR"
+        )
+    meta = json.loads((path / META).read_text())
+    if meta.get("method") != method:
+        raise JaxspecError(f"{path} holds a {meta.get('method')!r} drafter, not {method!r}")
+    want, have = fingerprint(base), meta.get("base_model", {})
+    shape_keys = ("vocab_size", "dim", "n_layers")
+    if any(want[k] != have.get(k) for k in shape_keys):
+        raise JaxspecError(
+            f"drafter {path} was trained for {have.get('name')!r} "
+            f"({', '.join(f'{k}={have.get(k)}' for k in shape_keys)}), not for {base.name!r}; "
+            f"train one for this model with `jaxspec-train {method} --model ...`"
+        )
+    try:
+        flat = load_file(str(path / WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise JaxspecError(f"corrupt drafter weights {path / WEIGHTS} ({e}); retrain it") from None
+    params = unflatten({k: jnp.asarray(v, dtype) for k, v in flat.items()})
+    return meta["settings"], params

@@ -1,0 +1,133 @@
+"""Medusa: drafter files, lossless decoding, and the training pipeline on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.checkpoint import load_checkpoint
+from jaxspec.decode import SpeculativeGenerator
+from jaxspec.drafters.medusa import MedusaDrafter
+from jaxspec.drafters.store import load_drafter, save_drafter
+from jaxspec.errors import JaxspecError
+from jaxspec.tree import tree_preset
+from tests.conftest import one_line_error
+
+
+def conversations(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return " ".join(f"w{i}" for i in rng.integers(5, 101, k))
+
+    return [
+        {"id": str(i), "conversations": [
+            {"from": "human", "value": words(8)}, {"from": "gpt", "value": words(30)},
+        ]}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_ckpt, tmp_path_factory, monkeypatch_module):
+    """Train 12 steps, 'interrupt', then resume to 20: (drafter dir, report, ckpt dir)."""
+    import train.medusa as medusa
+
+    monkeypatch_module.setattr(
+        medusa, "sharegpt_split", lambda split: conversations(seed=len(split))
+    )
+    tmp = tmp_path_factory.mktemp("medusa")
+    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
+              "--out", str(tmp / "out"), "--train-seqs", "10", "--test-seqs", "4",
+              "--seq-len", "64", "--batch", "32", "--save-every", "4", "--lr", "0.01",
+              "--heads", "3"]  # fmt: skip
+    first = medusa.train([*common, "--steps", "12"])
+    second = medusa.train([*common, "--steps", "20"])
+    return tmp / "out", first, second, tiny_ckpt[0]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_training_resumes_and_learns(trained):
+    out, first, second, _ = trained
+    assert first["steps"] == 12 and second["steps"] == 20  # resumed, not restarted
+    acc = np.array(second["test_topk_accuracy"])
+    assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)  # top-k is monotone
+    assert (out / "CARD.md").read_text().startswith("# Medusa drafter")
+    meta = json.loads((out / "drafter.json").read_text())
+    assert meta["method"] == "medusa" and meta["settings"]["n_heads"] == 3
+
+
+def test_trained_medusa_is_lossless(trained):
+    out, _, _, ckpt = trained
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    settings, dparams = load_drafter(out, "medusa", cfg)
+    drafter = MedusaDrafter(cfg, settings["n_heads"])
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 30).token_ids
+    for tree in ("chain-4", "cpu-8", "cpu-16"):
+        if tree_preset(tree).max_depth > 3:
+            with pytest.raises(JaxspecError, match="exceeds the drafter's 3 Medusa heads"):
+                SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset(tree)).generate(
+                    prompt, 5
+                )
+            continue
+        spec = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset(tree))
+        assert spec.generate(prompt, 30).token_ids == ar
+
+
+def test_untrained_heads_copy_the_base_prediction(tiny_ckpt):
+    """Zero-initialised heads give the base model's own next-token logits (Medusa's init)."""
+    cfg, params = load_checkpoint(tiny_ckpt[0], jnp.float32)
+    drafter = MedusaDrafter(cfg, 2)
+    h = jax.random.normal(jax.random.key(0), (3, cfg.dim))
+    from jaxspec.llama import lm_logits
+
+    logits = drafter.head_logits(params, drafter.init(params), h)
+    np.testing.assert_allclose(logits[:, 1], lm_logits(params, cfg, h[:, None])[:, 0], atol=1e-5)
+
+
+def test_drafter_errors(trained, tmp_path):
+    out, _, _, ckpt = trained
+    cfg, _ = load_checkpoint(ckpt)
+    with pytest.raises(JaxspecError, match="no drafter at .*jaxspec-train medusa"):
+        load_drafter(tmp_path / "none", "medusa", cfg)
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    meta = json.loads((other / "drafter.json").read_text())
+    meta["base_model"].update(dim=4096, name="Llama-2-7B")
+    (other / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(JaxspecError, match="trained for 'Llama-2-7B'.*not for"):
+        load_drafter(other, "medusa", cfg)
+    shutil.copytree(out, tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "drafter.safetensors").write_bytes(b"garbage")
+    with pytest.raises(JaxspecError, match="corrupt drafter weights"):
+        load_drafter(tmp_path / "corrupt", "medusa", cfg)
+    save_drafter(tmp_path / "firp", "firp", {}, {"w": np.zeros(2)}, cfg, "card")
+    with pytest.raises(JaxspecError, match="holds a 'firp' drafter"):
+        load_drafter(tmp_path / "firp", "medusa", cfg)
+
+
+def test_generate_cli_medusa(trained, capsys):
+    from infer.generate import main
+
+    out, _, _, ckpt = trained
+    base = ["--model", str(ckpt), "--json", "--max-new-tokens", "16", "w5 w9 w7"]
+    main(base)
+    ar = json.loads(capsys.readouterr().out)
+    main([*base, "--method", "medusa", "--drafter", str(out), "--tree", "cpu-8"])
+    medusa = json.loads(capsys.readouterr().out)
+    assert medusa["token_ids"] == ar["token_ids"]
+    err = one_line_error(
+        main, [*base, "--method", "medusa", "--drafter", str(out), "--tree", "chain-4"], capsys
+    )
+    assert "4 deep but the drafter has 3 heads" in err

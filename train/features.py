@@ -1,0 +1,71 @@
+"""Frozen-base features for drafter training, computed once and cached as .npz:
+the last layer's (pre-norm) hidden states, the data tokens, and the base model's own greedy
+prediction at every position (self-distillation targets)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxspec.kv_cache import causal_mask, init_cache
+from jaxspec.llama import embed, lm_logits, run_layers
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
+
+
+def conversation_ids(tokenizer, conversation: dict, max_len: int) -> list[int] | None:
+    """A ShareGPT record through the chat template, truncated; None if unusable."""
+    turns = conversation["conversations"]
+    messages = [{"role": ROLES.get(t.get("from")), "content": t.get("value", "")} for t in turns]
+    if not messages or any(m["role"] is None for m in messages) or messages[0]["role"] != "user":
+        return None
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)[:max_len]
+    return ids if len(ids) >= 16 else None
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _features(params, tokens, *, cfg):
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    h, _, _ = run_layers(
+        params, cfg, embed(params, tokens), positions, init_cache(cfg, B, 1), causal_mask(B, T)
+    )
+    return h.astype(jnp.float16), jnp.argmax(lm_logits(params, cfg, h), -1).astype(jnp.int32)
+
+
+def extract(model, conversations, n_seqs: int, seq_len: int, out: Path, batch: int = 4) -> dict:
+    """Features of the first n_seqs usable conversations (cached in `out`)."""
+    out = Path(out)
+    if out.is_file():
+        return dict(np.load(out))
+    seqs = []
+    for conversation in conversations:
+        ids = conversation_ids(model.tokenizer, conversation, seq_len)
+        if ids:
+            seqs.append(ids)
+        if len(seqs) == n_seqs:
+            break
+    tokens = np.zeros((len(seqs), seq_len), np.int32)
+    lengths = np.array([len(s) for s in seqs], np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    hidden = np.zeros((len(seqs), seq_len, model.cfg.dim), np.float16)
+    predicted = np.zeros_like(tokens)
+    for start in tqdm(range(0, len(seqs), batch), desc=f"features {out.stem}", unit="batch"):
+        chunk = tokens[start : start + batch]
+        pad = batch - len(chunk)
+        h, p = _features(model.params, np.pad(chunk, ((0, pad), (0, 0))), cfg=model.cfg)
+        hidden[start : start + len(chunk)] = np.asarray(h)[: len(chunk)]
+        predicted[start : start + len(chunk)] = np.asarray(p)[: len(chunk)]
+    data = {"hidden": hidden, "tokens": tokens, "predicted": predicted, "lengths": lengths}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial.npz")
+    np.savez(tmp, **data)
+    tmp.replace(out)
+    return data
