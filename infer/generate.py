@@ -35,6 +35,11 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--typical",
+        action="store_true",
+        help="Medusa's typical acceptance (faster, NOT lossless: changes the output distribution)",
+    )
     p.add_argument("--max-len", type=int, help="cache length limit (default: the model's context)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -48,7 +53,7 @@ def main(argv=None) -> None:
 def _main(argv) -> None:
     args = parse_args(argv)
     check_method(args.method)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = load_model(args.model)
     prompt_ids = encode_prompt(model.tokenizer, prompt, chat=not args.no_chat)

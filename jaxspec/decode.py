@@ -24,7 +24,13 @@ from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.sampling import Sampling, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
-from jaxspec.verify import accept_greedy, accept_sampling, gather_path, tree_tokens
+from jaxspec.verify import (
+    accept_greedy,
+    accept_sampling,
+    accept_typical,
+    gather_path,
+    tree_tokens,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +127,12 @@ def speculative_step(
         params, cfg, embed(params, tokens), positions, cache, mask, collect=collect
     )
     logits = lm_logits(params, cfg, states[cfg.n_layers])  # [B,T,V]
+    keys = jax.vmap(jax.random.fold_in)(position_keys(key, cache.lengths), jnp.arange(B))
     if sampling.greedy:
         nodes, n_accepted, bonus = accept_greedy(tree, tokens, logits)
+    elif sampling.typical:
+        nodes, n_accepted, bonus = accept_typical(tree, tokens, logits, keys, sampling)
     else:
-        keys = jax.vmap(jax.random.fold_in)(position_keys(key, cache.lengths), jnp.arange(B))
         nodes, n_accepted, bonus = accept_sampling(tree, tokens, logits, keys, sampling)
     # Emitted: the accepted drafted tokens, then the bonus token.
     path_tokens = jnp.take_along_axis(tokens, nodes, axis=1)  # [B,D+1], root first

@@ -16,11 +16,17 @@ from jaxspec.errors import JaxspecError
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1 means no nucleus."""
+    """temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1 means no nucleus.
+
+    typical: Medusa's typical acceptance in speculative decoding (a drafted token is kept
+    if its probability exceeds min(0.09, 0.3 * exp(-entropy))). NOT lossless: the output
+    distribution is no longer the model's. Off by default.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    typical: bool = False
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -29,6 +35,8 @@ class Sampling:
             raise JaxspecError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise JaxspecError(f"--top-k must be >= 0, got {self.top_k}")
+        if self.typical and self.temperature == 0:
+            raise JaxspecError("--typical needs sampling: set --temperature > 0")
 
     @property
     def greedy(self) -> bool:

@@ -82,6 +82,33 @@ def _sample_path(tree: TreeSpec, tokens, probs, key):
     return nodes, n_accepted, bonus
 
 
+def accept_typical(tree: TreeSpec, tokens, logits, keys, sampling: Sampling, eps=0.09, alpha=0.3):
+    """Medusa's typical acceptance (NOT lossless): the longest path whose drafted tokens
+    each have probability > min(eps, alpha * exp(-entropy)) under their parent's warped
+    distribution; the bonus token is sampled from the last accepted node."""
+    logprobs = warped_logprobs(logits, sampling)  # [B,T,V]
+    probs = jnp.exp(logprobs)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * logprobs, 0.0), axis=-1)  # [B,T]
+    threshold = jnp.minimum(eps, alpha * jnp.exp(-entropy))  # [B,T]
+    retrieve = jnp.asarray(tree.retrieve)
+    valid = retrieve >= 0
+    nodes_all = jnp.maximum(retrieve, 0)
+    parent_nodes, child_nodes = nodes_all[:, :-1], nodes_all[:, 1:]  # [P,D]
+    child_tokens = tokens[:, child_nodes]  # [B,P,D]
+    p_child = jnp.take_along_axis(probs[:, parent_nodes], child_tokens[..., None], axis=-1)[
+        ..., 0
+    ]  # [B,P,D]
+    ok = (p_child > threshold[:, parent_nodes]) & valid[None, :, 1:]
+    accepted = jnp.cumprod(ok, axis=-1).sum(-1)  # [B,P]
+    best = jnp.argmax(accepted, axis=-1)
+    n_accepted = jnp.take_along_axis(accepted, best[:, None], axis=1)[:, 0]
+    nodes = nodes_all[best] * (jnp.arange(tree.max_depth + 1) <= n_accepted[:, None])
+    last = jnp.take_along_axis(nodes, n_accepted[:, None], axis=1)[:, 0]
+    last_logprobs = jnp.take_along_axis(logprobs, last[:, None, None], axis=1)[:, 0]
+    bonus = jax.vmap(jax.random.categorical)(keys, last_logprobs).astype(jnp.int32)
+    return nodes, n_accepted, bonus
+
+
 def gather_path(block: KVBlock, nodes: jax.Array) -> KVBlock:
     """Keys/values of the accepted path, in order: each [B,K,T,H] -> [B,K,D+1,H]."""
     index = nodes[:, None, :, None]
