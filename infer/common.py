@@ -15,10 +15,11 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import Sampling
-from jaxspec.tree import tree_preset
+from jaxspec.tree import TreeSpec, tree_preset
 
 METHODS = ("ar", "medusa")  # grows as drafters land: firp, chimera, sdsat, ppd
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
+CPU_TREE_NODES, GPU_TREE_NODES = 16, 64  # verify cost grows much faster with nodes on CPU
 
 
 @dataclasses.dataclass
@@ -43,9 +44,18 @@ def check_method(method: str) -> None:
         )
 
 
-def default_tree(method: str) -> str:
-    on_cpu = jax.default_backend() == "cpu"
-    return {"ar": None, "medusa": "cpu-16" if on_cpu else "gpu-63"}[method]
+def default_tree(settings: dict) -> str:
+    """The drafter's own searched tree when it ships one, else a generic preset."""
+    size = CPU_TREE_NODES if jax.default_backend() == "cpu" else GPU_TREE_NODES
+    if f"searched-{size}" in settings.get("trees", {}):
+        return f"searched-{size}"
+    return "cpu-16" if jax.default_backend() == "cpu" else "gpu-63"
+
+
+def resolve_tree(name: str, settings: dict) -> TreeSpec:
+    if name in settings.get("trees", {}):
+        return TreeSpec.from_paths(settings["trees"][name])
+    return tree_preset(name)
 
 
 def build_generator(
@@ -65,7 +75,7 @@ def build_generator(
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
     drafter = MedusaDrafter(model.cfg, settings["n_heads"], settings.get("own_lm_head", False))
-    spec = tree_preset(tree or default_tree(method))
+    spec = resolve_tree(tree or default_tree(settings), settings)
     if spec.max_depth > drafter.n_heads:
         raise JaxspecError(
             f"tree {tree!r} is {spec.max_depth} deep but the drafter has {drafter.n_heads} heads"

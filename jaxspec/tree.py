@@ -130,6 +130,14 @@ def search_tree(accuracy: np.ndarray, n_nodes: int) -> TreeSpec:
     return TreeSpec.from_paths(chosen)
 
 
+def searched_trees(topk_accuracy, sizes=(8, 16, 32, 64)) -> dict[str, list[list[int]]]:
+    """Trees searched from measured cumulative top-1..k accuracy per head [depth, k]:
+    {"searched-N": paths} for each size N (nodes, root included)."""
+    cumulative = np.asarray(topk_accuracy, np.float64)
+    per_rank = np.diff(cumulative, axis=1, prepend=0.0).clip(0.0, 1.0)
+    return {f"searched-{n}": [list(p) for p in search_tree(per_rank, n).paths] for n in sizes}
+
+
 # Presets. CPU trees are small (a CPU verify step costs ~1.5x AR at 8 nodes, ~2x at 16);
 # the GPU tree has the size and shape class of Medusa's mc_sim_7b_63 (63 nodes, depth 4,
 # top-10 per head), here searched from typical Medusa head accuracies.

@@ -188,3 +188,12 @@ def test_typical_acceptance_accepts_likely_drafts_and_needs_sampling():
     assert result.token_ids == greedy_ar and result.mean_accepted > 3
     with pytest.raises(JaxspecError, match="--typical needs sampling"):
         Sampling(typical=True)
+
+
+def test_searched_trees_from_measured_accuracy():
+    from jaxspec.tree import searched_trees
+
+    cumulative = np.array([[0.5, 0.6, 0.65], [0.3, 0.35, 0.38]])
+    trees = searched_trees(cumulative, sizes=(3, 4))
+    assert trees["searched-3"] == [[0], [0, 0]]  # 0.5, then 0.5*0.3=0.15 beats 0.1
+    assert trees["searched-4"] == [[0], [1], [0, 0]]

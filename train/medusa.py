@@ -31,6 +31,7 @@ from jaxspec.checkpoint import jaxspec_home
 from jaxspec.data.sources import sharegpt_split
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
+from jaxspec.tree import searched_trees
 from train.features import extract
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -154,7 +155,8 @@ def train(argv) -> dict:
     manager.wait_until_finished()
 
     accuracy = evaluate(drafter, model.params, state["params"], test_f, args.targets)
-    settings = {"n_heads": args.heads, "own_lm_head": False}
+    trees = searched_trees(accuracy)
+    settings = {"n_heads": args.heads, "own_lm_head": False, "trees": trees}
     report = {
         "steps": int(state["step"]),
         "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
