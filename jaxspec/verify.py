@@ -28,21 +28,28 @@ def tree_tokens(current: jax.Array, candidates: jax.Array) -> jax.Array:
     return jnp.concatenate([current[:, None], candidates], axis=1)
 
 
-def accept_greedy(tree: TreeSpec, tokens: jax.Array, logits: jax.Array):
-    """tokens [B,T], logits [B,T,V] -> accepted path nodes [B,D+1], accepted count [B],
-    bonus token [B]. Node slots past the accepted count are 0 (unused)."""
-    retrieve = jnp.asarray(tree.retrieve)  # [P,D+1]
-    valid = retrieve >= 0
+def _longest_path(tree: TreeSpec, child_ok):
+    """child_ok(parent_nodes, child_nodes) -> [B,P,D] bool: is each path step acceptable?
+    Returns the longest acceptable path's nodes [B,D+1] (0 past the end), its accepted
+    count [B] and its last node [B]."""
+    retrieve = jnp.asarray(tree.retrieve)  # [P,D+1], -1 pads
     nodes_all = jnp.maximum(retrieve, 0)
-    predicted = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,T]
-    path_tokens = tokens[:, nodes_all]  # [B,P,D+1]
-    path_predicted = predicted[:, nodes_all]
-    match = (path_tokens[:, :, 1:] == path_predicted[:, :, :-1]) & valid[None, :, 1:]
-    accepted = jnp.cumprod(match, axis=-1).sum(-1)  # [B,P]
+    ok = child_ok(nodes_all[:, :-1], nodes_all[:, 1:]) & (retrieve[None, :, 1:] >= 0)
+    accepted = jnp.cumprod(ok, axis=-1).sum(-1)  # [B,P]
     best = jnp.argmax(accepted, axis=-1)  # [B]
     n_accepted = jnp.take_along_axis(accepted, best[:, None], axis=1)[:, 0]
     nodes = nodes_all[best] * (jnp.arange(tree.max_depth + 1) <= n_accepted[:, None])
     last = jnp.take_along_axis(nodes, n_accepted[:, None], axis=1)[:, 0]
+    return nodes, n_accepted, last
+
+
+def accept_greedy(tree: TreeSpec, tokens: jax.Array, logits: jax.Array):
+    """tokens [B,T], logits [B,T,V] -> accepted path nodes [B,D+1], accepted count [B],
+    bonus token [B]. Node slots past the accepted count are 0 (unused)."""
+    predicted = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,T]
+    nodes, n_accepted, last = _longest_path(
+        tree, lambda parents, children: tokens[:, children] == predicted[:, parents]
+    )
     bonus = jnp.take_along_axis(predicted, last[:, None], axis=1)[:, 0]
     return nodes, n_accepted, bonus
 
@@ -90,20 +97,12 @@ def accept_typical(tree: TreeSpec, tokens, logits, keys, sampling: Sampling, eps
     probs = jnp.exp(logprobs)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * logprobs, 0.0), axis=-1)  # [B,T]
     threshold = jnp.minimum(eps, alpha * jnp.exp(-entropy))  # [B,T]
-    retrieve = jnp.asarray(tree.retrieve)
-    valid = retrieve >= 0
-    nodes_all = jnp.maximum(retrieve, 0)
-    parent_nodes, child_nodes = nodes_all[:, :-1], nodes_all[:, 1:]  # [P,D]
-    child_tokens = tokens[:, child_nodes]  # [B,P,D]
-    p_child = jnp.take_along_axis(probs[:, parent_nodes], child_tokens[..., None], axis=-1)[
-        ..., 0
-    ]  # [B,P,D]
-    ok = (p_child > threshold[:, parent_nodes]) & valid[None, :, 1:]
-    accepted = jnp.cumprod(ok, axis=-1).sum(-1)  # [B,P]
-    best = jnp.argmax(accepted, axis=-1)
-    n_accepted = jnp.take_along_axis(accepted, best[:, None], axis=1)[:, 0]
-    nodes = nodes_all[best] * (jnp.arange(tree.max_depth + 1) <= n_accepted[:, None])
-    last = jnp.take_along_axis(nodes, n_accepted[:, None], axis=1)[:, 0]
+
+    def child_ok(parents, children):
+        p_child = jnp.take_along_axis(probs[:, parents], tokens[:, children][..., None], axis=-1)
+        return p_child[..., 0] > threshold[:, parents]
+
+    nodes, n_accepted, last = _longest_path(tree, child_ok)
     last_logprobs = jnp.take_along_axis(logprobs, last[:, None, None], axis=1)[:, 0]
     bonus = jax.vmap(jax.random.categorical)(keys, last_logprobs).astype(jnp.int32)
     return nodes, n_accepted, bonus

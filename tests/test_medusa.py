@@ -65,7 +65,12 @@ def test_training_resumes_and_learns(trained):
     assert (out / "CARD.md").read_text().startswith("# Medusa drafter")
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "medusa" and meta["settings"]["n_heads"] == 3
-    assert set(meta["settings"]["trees"]) == {"searched-8", "searched-16", "searched-32", "searched-64"}
+    assert set(meta["settings"]["trees"]) == {
+        "searched-8",
+        "searched-16",
+        "searched-32",
+        "searched-64",
+    }
 
 
 def test_trained_medusa_is_lossless(trained):
