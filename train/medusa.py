@@ -115,10 +115,11 @@ def train(argv) -> dict:
     out = args.out or REPO_DRAFTERS / cfg.name / "medusa"
     start_time = time.perf_counter()
 
-    train_f = extract(
-        model, sharegpt_split("train"), args.train_seqs, args.seq_len, work / "train.npz"
-    )
-    test_f = extract(model, sharegpt_split("test"), args.test_seqs, args.seq_len, work / "test.npz")
+    def features(split, n):  # cached per (split, count, length): reruns reuse them
+        file = work / f"{split}-{n}x{args.seq_len}.npz"
+        return extract(model, sharegpt_split(split), n, args.seq_len, file)
+
+    train_f, test_f = features("train", args.train_seqs), features("test", args.test_seqs)
     pairs, labels = samples(train_f, args.heads, args.targets)
 
     drafter = MedusaDrafter(cfg, args.heads)
