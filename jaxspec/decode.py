@@ -79,7 +79,7 @@ def _draft(drafter, params, drafter_params, tree, h_at, current, position, emitt
 
 @partial(jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"))
 def prefill_and_draft(
-    params, drafter_params, tokens, lengths, cache: KVCache, key, *, cfg, sampling, tree, drafter
+    params, drafter_params, tokens, lengths, key, *, cfg, sampling, tree, drafter
 ):
     """tokens [B,P] right-padded, lengths [B] -> first token [B], candidates [B,T-1], the
     prompt's KVBlock (commit `lengths` of it)."""
@@ -87,7 +87,7 @@ def prefill_and_draft(
     positions = jnp.broadcast_to(jnp.arange(P), (B, P))
     collect = tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
     _, block, states = run_layers(
-        params, cfg, embed(params, tokens), positions, cache, causal_mask(B, P), collect=collect
+        params, cfg, embed(params, tokens), positions, None, causal_mask(B, P), collect=collect
     )
     at_last = lambda h: jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # noqa: E731
     h_at = {i: at_last(h) for i, h in states.items()}
@@ -218,7 +218,7 @@ class SpeculativeGenerator:
         lengths = jnp.array([P], jnp.int32)
         dp = self.drafter_params
 
-        pre_args = (self.params, dp, tokens, lengths, cache, key)
+        pre_args = (self.params, dp, tokens, lengths, key)
         run_prefill, c1 = self._compiled(
             "prefill", (Pb, S), prefill_and_draft, *pre_args, **self._static
         )

@@ -63,24 +63,26 @@ def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
 def attention(q, k_cache, v_cache, k_new, v_new, mask):
     """Grouped-query attention over [committed cache | new tokens], one softmax over both.
 
-    q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H]; mask [B,T,S+T] (True = may
-    attend) -> [B,T,N*H]. Query heads are grouped per kv head as rows q = (g, t).
+    q [B,T,N,H]; k/v_cache [B,K,S,H] or None (no context: a prefill); k/v_new [B,K,T,H];
+    mask [B,T,S+T] (True = may attend) -> [B,T,N*H]. Query heads are grouped per kv head
+    as rows q = (g, t).
     """
     B, T, N, H = q.shape
-    K = k_cache.shape[1]
+    K = k_new.shape[1]
     G = N // K
+    blocks = [(k_new, v_new)] if k_cache is None else [(k_cache, v_cache), (k_new, v_new)]
     q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     scores = jnp.concatenate(
         [
-            jnp.einsum("bkqh,bksh->bkqs", q, k_cache, preferred_element_type=jnp.float32),
-            jnp.einsum("bkqh,bkth->bkqt", q, k_new, preferred_element_type=jnp.float32),
+            jnp.einsum("bkqh,bksh->bkqs", q, k, preferred_element_type=jnp.float32)
+            for k, _ in blocks
         ],
         axis=-1,
     ).reshape(B, K, G, T, -1) / math.sqrt(H)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype).reshape(B, K, G * T, -1)
-    S = k_cache.shape[2]
-    out = jnp.einsum("bkqs,bksh->bkqh", probs[..., :S], v_cache) + jnp.einsum(
-        "bkqt,bkth->bkqh", probs[..., S:], v_new
-    )
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_new.dtype).reshape(B, K, G * T, -1)
+    out, start = 0.0, 0
+    for _, v in blocks:
+        out = out + jnp.einsum("bkqs,bksh->bkqh", probs[..., start : start + v.shape[2]], v)
+        start += v.shape[2]
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)

@@ -50,7 +50,7 @@ def run_layers(
     cfg: LlamaConfig,
     h: jax.Array,
     positions: jax.Array,
-    cache: KVCache,
+    cache: KVCache | None,
     new_mask: jax.Array,
     start: int = 0,
     stop: int | None = None,
@@ -58,7 +58,8 @@ def run_layers(
 ) -> tuple[jax.Array, KVBlock, dict[int, jax.Array]]:
     """Run layers [start, stop) on hidden states h [B,T,D] at positions [B,T].
 
-    Every new token sees its row's committed cache; new_mask [B,T,T] says which new tokens
+    Every new token sees its row's committed cache (none when `cache` is None, as in a
+    prefill: no work is spent on an empty cache buffer); new_mask [B,T,T] says which new tokens
     see each other (causal for a chain, the tree mask for a tree). The cache is only read:
     the new tokens' keys/values come back as a KVBlock of the layers run, for `commit`.
     `collect` names layer counts i whose output (the state after i layers, HF's
@@ -66,12 +67,16 @@ def run_layers(
     """
     stop = cfg.n_layers if stop is None else stop
     cos, sin = rope_tables(cfg, positions)
-    mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
+    if cache is None:
+        mask, keys_in, values_in = new_mask, [None] * cfg.n_layers, [None] * cfg.n_layers
+    else:
+        mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
+        keys_in, values_in = cache.keys, cache.values
     keys, values = [], []
     collected = {start: h} if start in collect else {}
     for i in range(start, stop):
         h, k, v = decoder_layer(
-            cfg, params["layers"][i], h, cos, sin, cache.keys[i], cache.values[i], mask
+            cfg, params["layers"][i], h, cos, sin, keys_in[i], values_in[i], mask
         )
         keys.append(k)
         values.append(v)

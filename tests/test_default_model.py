@@ -76,3 +76,15 @@ def test_random_drafter_is_lossless_on_the_default_model(models):
     drafter = RandomDrafter(ours.cfg.vocab_size)
     spec = SpeculativeGenerator(ours.cfg, ours.params, drafter, None, tree_preset("cpu-16"))
     assert spec.generate(ids, 24).token_ids == ar
+
+
+def test_shipped_medusa_is_lossless_on_the_default_model(models):
+    from infer.common import build_generator
+    from jaxspec.text import encode_prompt
+
+    ours, _ = models
+    ids = encode_prompt(ours.tokenizer, "Write a short poem about the sea.")
+    ar = build_generator(ours, "ar").generate(ids, 48)
+    medusa = build_generator(ours, "medusa").generate(ids, 48)  # shipped drafter, its tree
+    assert medusa.token_ids == ar.token_ids
+    assert medusa.steps < ar.steps  # drafts were accepted

@@ -144,9 +144,7 @@ def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling)
     cache = init_cache(cfg, N, 32)
     tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (N, len(prompt)))
     lengths = jnp.full((N,), len(prompt), jnp.int32)
-    _, _, block = prefill_and_draft(
-        params, None, tokens, lengths, cache, jax.random.key(0), **static
-    )
+    _, _, block = prefill_and_draft(params, None, tokens, lengths, jax.random.key(0), **static)
     cache = commit(cache, block, lengths)
     current = jnp.full((N,), root, jnp.int32)
     candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)

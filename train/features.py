@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxspec.kv_cache import causal_mask, init_cache
+from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
@@ -33,9 +33,7 @@ def conversation_ids(tokenizer, conversation: dict, max_len: int) -> list[int] |
 def _features(params, tokens, *, cfg):
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    h, _, _ = run_layers(
-        params, cfg, embed(params, tokens), positions, init_cache(cfg, B, 1), causal_mask(B, T)
-    )
+    h, _, _ = run_layers(params, cfg, embed(params, tokens), positions, None, causal_mask(B, T))
     return h.astype(jnp.float16), jnp.argmax(lm_logits(params, cfg, h), -1).astype(jnp.int32)
 
 
