@@ -150,6 +150,8 @@ _TYPICAL_ACCURACY = np.array(
     ]
 )
 PRESETS = {
+    "chain-1": TreeSpec.chain(1),
+    "chain-2": TreeSpec.chain(2),
     "chain-4": TreeSpec.chain(4),
     "cpu-8": search_tree(_TYPICAL_ACCURACY, 8),
     "cpu-16": search_tree(_TYPICAL_ACCURACY, 16),

@@ -42,17 +42,19 @@ class MedusaDrafter(Drafter):
                 head["lm_head"] = jnp.array(lm)
         return {"heads": heads}
 
-    def head_logits(self, base_params, params, h: jax.Array) -> jax.Array:
-        """h [...,D] pre-norm last-layer states -> logits [...,K,V] float32."""
+    def head_logits(self, base_params, params, h: jax.Array, n_heads: int | None = None):
+        """h [...,D] pre-norm last-layer states -> logits [...,K,V] float32 of the first
+        n_heads heads (default all)."""
+        heads = params["heads"][: n_heads or self.n_heads]
         x = final_norm(base_params, self.cfg, h)
-        out = []
-        for head in params["heads"]:
-            y = x + jax.nn.silu(x @ head["w"] + head["b"])
-            if "lm_head" in head:
-                out.append((y @ head["lm_head"]).astype(jnp.float32))
-            else:
-                out.append(vocab_projection(base_params, self.cfg, y))
-        return jnp.stack(out, axis=-2)
+        ys = [x + jax.nn.silu(x @ head["w"] + head["b"]) for head in heads]
+        if "lm_head" in heads[0]:
+            return jnp.stack(
+                [(y @ hd["lm_head"]).astype(jnp.float32) for y, hd in zip(ys, heads, strict=True)],
+                -2,
+            )
+        # One projection for all heads: the [V,D] matrix is read once, not once per head.
+        return vocab_projection(base_params, self.cfg, jnp.stack(ys, axis=-2))
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.max_depth > self.n_heads:
@@ -62,7 +64,8 @@ class MedusaDrafter(Drafter):
             )
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
-        logits = self.head_logits(params, drafter_params, inputs.hidden[self.cfg.n_layers])
+        hidden = inputs.hidden[self.cfg.n_layers]
+        logits = self.head_logits(params, drafter_params, hidden, tree.max_depth)  # [B,d,V]
         top = jax.lax.top_k(logits, int(tree.rank.max()) + 1)[1]  # [B,K,k]
         depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
         return top[:, depth, rank].astype(jnp.int32)  # [B,T-1]
