@@ -77,10 +77,6 @@ def build_generator(
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
     drafter = MedusaDrafter(model.cfg, settings["n_heads"], settings.get("own_lm_head", False))
     spec = resolve_tree(tree or default_tree(settings), settings)
-    if spec.max_depth > drafter.n_heads:
-        raise JaxspecError(
-            f"tree {tree!r} is {spec.max_depth} deep but the drafter has {drafter.n_heads} heads"
-        )
     return SpeculativeGenerator(
         model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len
     )

@@ -54,11 +54,15 @@ class Drafter:
     """Base drafter. Subclasses are frozen dataclasses (hashable: they are static in jit).
 
     `collect`: the layer counts whose hidden states `propose` needs.
+    `check_tree(tree)`: raise JaxspecError if the drafter cannot fill this tree.
     `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
     the token for every non-root tree node.
     """
 
     collect: tuple[int, ...] = ()
+
+    def check_tree(self, tree: TreeSpec) -> None:
+        pass
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
         raise NotImplementedError
@@ -70,6 +74,11 @@ class NoDrafter(Drafter):
 
     def propose(self, params, drafter_params, tree, inputs, key):
         return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)
+
+
+def _collected_layers(drafter: Drafter, cfg: LlamaConfig) -> tuple[int, ...]:
+    """The drafter's layers plus the last one (the model's own logits)."""
+    return tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
 
 
 def _draft(drafter, params, drafter_params, tree, h_at, current, position, emitted, n, key):
@@ -85,7 +94,7 @@ def prefill_and_draft(
     prompt's KVBlock (commit `lengths` of it)."""
     B, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P), (B, P))
-    collect = tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
+    collect = _collected_layers(drafter, cfg)
     _, block, states = run_layers(
         params, cfg, embed(params, tokens), positions, None, causal_mask(B, P), collect=collect
     )
@@ -122,12 +131,12 @@ def speculative_step(
     depth = jnp.asarray(tree.depth)
     positions = cache.lengths[:, None] + depth[None]
     mask = jnp.broadcast_to(jnp.asarray(tree.mask), (B, tree.n_nodes, tree.n_nodes))
-    collect = tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
+    collect = _collected_layers(drafter, cfg)
     _, block, states = run_layers(
         params, cfg, embed(params, tokens), positions, cache, mask, collect=collect
     )
     logits = lm_logits(params, cfg, states[cfg.n_layers])  # [B,T,V]
-    keys = jax.vmap(jax.random.fold_in)(position_keys(key, cache.lengths), jnp.arange(B))
+    keys = position_keys(key, cache.lengths)
     if sampling.greedy:
         nodes, n_accepted, bonus = accept_greedy(tree, tokens, logits)
     elif sampling.typical:
@@ -172,7 +181,8 @@ class SpeculativeGenerator:
         self.tree = tree or TreeSpec(())
         self.sampling = sampling or Sampling()
         self.max_len = max_len or cfg.max_position
-        self._executables: dict[tuple, Callable] = {}
+        self.drafter.check_tree(self.tree)
+        self._executables: dict[tuple, tuple[Callable, ...]] = {}
 
     @property
     def _static(self) -> dict:
@@ -192,13 +202,25 @@ class SpeculativeGenerator:
             )
         return min(bucket(needed, MIN_CACHE_LEN), self.max_len)
 
-    def _compiled(self, name: str, shape_key: tuple, jitted, *args, **static):
-        """AOT-compiled `jitted` for one shape bucket -> (executable, compile seconds)."""
-        key = (name, *shape_key)
+    def _programs(self, pre_args, cache: KVCache) -> tuple[tuple[Callable, ...], float]:
+        """AOT-compiled (prefill, step, commit prompt, commit path) for this prompt bucket
+        and cache length -> (programs, compile seconds; 0 when already compiled)."""
+        key = (pre_args[2].shape, cache.max_len)
         if key in self._executables:
             return self._executables[key], 0.0
         start = time.perf_counter()
-        self._executables[key] = jitted.lower(*args, **static).compile()
+        static = self._static
+        prefill = prefill_and_draft.lower(*pre_args, **static).compile()
+        first, candidates, prompt_block = jax.eval_shape(
+            partial(prefill_and_draft, **static), *pre_args
+        )
+        step_args = (self.params, self.drafter_params, cache, first, candidates, pre_args[-1])
+        step = speculative_step.lower(*step_args, **static).compile()
+        *_, path_block = jax.eval_shape(partial(speculative_step, **static), *step_args)
+        lengths = pre_args[3]
+        commit_prompt = commit.lower(cache, prompt_block, lengths).compile()
+        commit_path = commit.lower(cache, path_block, lengths).compile()
+        self._executables[key] = (prefill, step, commit_prompt, commit_path)
         return self._executables[key], time.perf_counter() - start
 
     def generate(
@@ -219,17 +241,9 @@ class SpeculativeGenerator:
         dp = self.drafter_params
 
         pre_args = (self.params, dp, tokens, lengths, key)
-        run_prefill, c1 = self._compiled(
-            "prefill", (Pb, S), prefill_and_draft, *pre_args, **self._static
+        (run_prefill, run_step, commit_prompt, commit_path), compile_s = self._programs(
+            pre_args, cache
         )
-        first, candidates, prompt_block = jax.eval_shape(
-            partial(prefill_and_draft, **self._static), *pre_args
-        )
-        step_args = (self.params, dp, cache, first, candidates, key)
-        run_step, c2 = self._compiled("step", (S,), speculative_step, *step_args, **self._static)
-        *_, path_block = jax.eval_shape(partial(speculative_step, **self._static), *step_args)
-        commit_prompt, c3 = self._compiled("commit", (Pb, S), commit, cache, prompt_block, lengths)
-        commit_path, c4 = self._compiled("commit", ("path", S), commit, cache, path_block, lengths)
 
         eos = set(self.cfg.eos_token_ids)
         start = time.perf_counter()
@@ -253,9 +267,7 @@ class SpeculativeGenerator:
             if on_tokens:
                 on_tokens(new)
         decode_s = time.perf_counter() - start
-        return GenerationResult(
-            list(prompt_ids), out, steps, prefill_s, decode_s, c1 + c2 + c3 + c4
-        )
+        return GenerationResult(list(prompt_ids), out, steps, prefill_s, decode_s, compile_s)
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:

@@ -71,9 +71,12 @@ def select_tokens(logits: jax.Array, keys: jax.Array, s: Sampling) -> jax.Array:
 
 
 def position_keys(key: jax.Array, positions: jax.Array) -> jax.Array:
-    """One key per row derived from the position being sampled: positions [B] -> keys [B].
+    """One key per row from the row index and the position being sampled: positions [B] ->
+    keys [B].
 
     Tying randomness to positions (not to loop iterations) makes a run reproducible from
-    its seed whatever the number of tokens each step produces.
+    its seed whatever the number of tokens each step produces; the row index keeps rows
+    of a batch independent.
     """
-    return jax.vmap(lambda p: jax.random.fold_in(key, p))(positions)
+    rows = jnp.arange(positions.shape[0])
+    return jax.vmap(lambda p, r: jax.random.fold_in(jax.random.fold_in(key, p), r))(positions, rows)

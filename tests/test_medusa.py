@@ -136,4 +136,4 @@ def test_generate_cli_medusa(trained, capsys):
     err = one_line_error(
         main, [*base, "--method", "medusa", "--drafter", str(out), "--tree", "chain-4"], capsys
     )
-    assert "4 deep but the drafter has 3 heads" in err
+    assert "tree depth 4 exceeds the drafter's 3 Medusa heads" in err

@@ -56,12 +56,14 @@ class MedusaDrafter(Drafter):
         # One projection for all heads: the [V,D] matrix is read once, not once per head.
         return vocab_projection(base_params, self.cfg, jnp.stack(ys, axis=-2))
 
-    def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
+    def check_tree(self, tree: TreeSpec) -> None:
         if tree.max_depth > self.n_heads:
             raise JaxspecError(
                 f"tree depth {tree.max_depth} exceeds the drafter's {self.n_heads} Medusa heads; "
                 "pick a shallower tree"
             )
+
+    def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
         hidden = inputs.hidden[self.cfg.n_layers]
