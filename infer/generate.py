@@ -1,4 +1,5 @@
-"""jaxspec-generate: generate from one prompt, streaming text or printing one JSON object."""
+"""jaxspec-generate: generate from a prompt, streaming text or printing one JSON object.
+Several prompts decode together as one batch (one JSON object per line with --json)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ ALL_METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="jaxspec-generate", description=__doc__)
-    p.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    p.add_argument(
+        "prompts",
+        nargs="+",
+        metavar="PROMPT",
+        help="the prompt text ('-' reads standard input); several prompts run as one batch",
+    )
     p.add_argument(
         "--method",
         default="ar",
@@ -54,10 +60,25 @@ def _main(argv) -> None:
     args = parse_args(argv)
     check_method(args.method)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     model = load_model(args.model)
-    prompt_ids = encode_prompt(model.tokenizer, prompt, chat=not args.no_chat)
+    prompt_ids = [encode_prompt(model.tokenizer, p, chat=not args.no_chat) for p in prompts]
     generator = build_generator(model, args.method, args.drafter, args.tree, sampling, args.max_len)
+    if len(prompt_ids) > 1:
+        results = generator.generate_batch(prompt_ids, args.max_new_tokens, args.seed)
+        for result in results:
+            summary = summarize(args.method, model.tokenizer, result)
+            print(json.dumps(summary) if args.json else f"--- {summary['text']}\n")
+        total, seconds = (
+            sum(r.new_tokens for r in results),
+            results[0].prefill_s + results[0].decode_s,
+        )
+        print(
+            f"[{args.method}] batch of {len(results)}: {total} tokens in {seconds:.1f} s "
+            f"({total / seconds:.1f} tokens/s); compile {results[0].compile_s:.1f} s",
+            file=sys.stderr,
+        )
+        return
 
     stream = None if args.json else TextStream(model.tokenizer)
 
@@ -65,14 +86,21 @@ def _main(argv) -> None:
         print(stream.push(ids), end="", flush=True)
 
     result = generator.generate(
-        prompt_ids, args.max_new_tokens, args.seed, None if args.json else show
+        prompt_ids[0], args.max_new_tokens, args.seed, None if args.json else show
     )
-    text = model.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    summary = {
-        "method": args.method,
-        "text": text,
+    if args.json:
+        print(json.dumps(summarize(args.method, model.tokenizer, result)))
+    else:
+        print()
+        report(args.method, result)
+
+
+def summarize(method: str, tokenizer, result) -> dict:
+    return {
+        "method": method,
+        "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
         "token_ids": result.token_ids,
-        "prompt_tokens": len(prompt_ids),
+        "prompt_tokens": len(result.prompt_ids),
         "new_tokens": result.new_tokens,
         "steps": result.steps,
         "mean_accepted": result.mean_accepted,
@@ -81,15 +109,15 @@ def _main(argv) -> None:
         "decode_s": result.decode_s,
         "compile_s": result.compile_s,
     }
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(
-            f"\n[{args.method}] {result.new_tokens} tokens in {result.steps} steps "
-            f"({result.mean_accepted:.2f} tokens/step), {result.tokens_per_s:.1f} tokens/s; "
-            f"compile {result.compile_s:.1f} s",
-            file=sys.stderr,
-        )
+
+
+def report(method: str, result) -> None:
+    print(
+        f"[{method}] {result.new_tokens} tokens in {result.steps} steps "
+        f"({result.mean_accepted:.2f} tokens/step), {result.tokens_per_s:.1f} tokens/s; "
+        f"compile {result.compile_s:.1f} s",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def speculative_step(
 
 
 class SpeculativeGenerator:
-    """Generation of one prompt at a time with a drafter and a static tree.
+    """Generation with a drafter and a static tree, one prompt or a batch.
 
     Executables are compiled ahead of time per (prompt bucket, cache length), so timings
     exclude compilation and steps never recompile.
@@ -230,14 +230,36 @@ class SpeculativeGenerator:
         seed: int = 0,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
-        P = len(prompt_ids)
+        """One prompt; on_tokens(new_ids) streams each step's tokens."""
+        stream = (lambda row, ids: on_tokens(ids)) if on_tokens else None  # noqa: E731
+        return self.generate_batch([prompt_ids], max_new_tokens, seed, stream)[0]
+
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        seed: int = 0,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Several prompts decoded together, one row each (rows accept independently).
+
+        A row that is done (EOS or max_new_tokens) stops committing while the others go on.
+        Timings in the results are the whole batch's. Greedy outputs equal one-at-a-time
+        generation; sampled ones depend on the row (keys fold in the row index).
+        """
+        if not prompts:
+            raise JaxspecError("no prompts: pass at least one")
+        B, P = len(prompts), max(len(p) for p in prompts)
+        for p in prompts:
+            self.cache_len(len(p), max_new_tokens)  # clear errors for empty/too long prompts
         S = self.cache_len(P, max_new_tokens)
         Pb = min(bucket(P, MIN_PROMPT_BUCKET), S)
-        tokens = np.zeros((1, Pb), np.int32)
-        tokens[0, :P] = prompt_ids
-        cache = init_cache(self.cfg, 1, S, jax.tree.leaves(self.params)[0].dtype)
+        tokens = np.zeros((B, Pb), np.int32)
+        for row, p in enumerate(prompts):
+            tokens[row, : len(p)] = p
+        cache = init_cache(self.cfg, B, S, jax.tree.leaves(self.params)[0].dtype)
         key = jax.random.key(seed)
-        lengths = jnp.array([P], jnp.int32)
+        lengths = jnp.array([len(p) for p in prompts], jnp.int32)
         dp = self.drafter_params
 
         pre_args = (self.params, dp, tokens, lengths, key)
@@ -246,28 +268,39 @@ class SpeculativeGenerator:
         )
 
         eos = set(self.cfg.eos_token_ids)
+        outs: list[list[int]] = [[] for _ in range(B)]
+        steps = [1] * B
+        done = np.zeros(B, bool)
+
+        def take(row: int, new: list[int]) -> None:
+            new = _until_eos(new, eos)[: max_new_tokens - len(outs[row])]
+            outs[row] += new
+            done[row] = len(outs[row]) >= max_new_tokens or outs[row][-1] in eos
+            if on_tokens:
+                on_tokens(row, new)
+
         start = time.perf_counter()
         current, candidates, block = run_prefill(*pre_args)
         cache = commit_prompt(cache, block, lengths)
-        out = [int(current[0])]
+        for row, token in enumerate(np.asarray(current).tolist()):
+            take(row, [token])
         prefill_s = time.perf_counter() - start
-        if on_tokens:
-            on_tokens(out)
-        steps = 1
         start = time.perf_counter()
-        while len(out) < max_new_tokens and out[-1] not in eos:
+        while not done.all():
             emitted, n, current, candidates, block = run_step(
                 self.params, dp, cache, current, candidates, key
             )
-            cache = commit_path(cache, block, n)
-            new = np.asarray(emitted[0, : int(n[0])]).tolist()
-            new = _until_eos(new, eos)[: max_new_tokens - len(out)]
-            out += new
-            steps += 1
-            if on_tokens:
-                on_tokens(new)
+            n_host = np.where(done, 0, np.asarray(n))  # finished rows stop advancing
+            cache = commit_path(cache, block, jnp.asarray(n_host, jnp.int32))
+            emitted = np.asarray(emitted)
+            for row in np.flatnonzero(n_host):
+                take(int(row), emitted[row, : n_host[row]].tolist())
+                steps[row] += 1
         decode_s = time.perf_counter() - start
-        return GenerationResult(list(prompt_ids), out, steps, prefill_s, decode_s, compile_s)
+        return [
+            GenerationResult(list(p), out, n_steps, prefill_s, decode_s, compile_s)
+            for p, out, n_steps in zip(prompts, outs, steps, strict=True)
+        ]
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:

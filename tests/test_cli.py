@@ -38,6 +38,17 @@ def test_generate_json(tiny_ckpt, capsys):
     assert got["new_tokens"] == len(got["token_ids"]) and got["mean_accepted"] == 1.0
 
 
+def test_generate_batch_json_lines(tiny_ckpt, capsys):
+    ckpt, _ = tiny_ckpt
+    argv = ["--model", str(ckpt), "--json", "--max-new-tokens", "9", "w5 w9 w7", "w3"]
+    lines = run_ok(generate_main, argv, capsys).strip().splitlines()
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    for line, prompt in zip(lines, ["w5 w9 w7", "w3"], strict=True):
+        ids = encode_prompt(tiny_tokenizer(), prompt)
+        expected = SpeculativeGenerator(cfg, params).generate(ids, 9).token_ids
+        assert json.loads(line)["token_ids"] == expected
+
+
 def test_generate_streams_text(tiny_ckpt, capsys):
     out = run_ok(
         generate_main, ["--model", str(tiny_ckpt[0]), "--max-new-tokens", "5", "w5"], capsys

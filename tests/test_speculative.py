@@ -87,6 +87,24 @@ def test_greedy_is_lossless_with_random_and_oracle_drafters(name, tree_name):
     assert result.mean_accepted > tree.max_depth * 0.8
 
 
+@pytest.mark.parametrize("tree_name", [None, "cpu-8"])
+def test_batch_rows_equal_single_prompts(tree_name):
+    cfg, params = tiny()
+    prompts = [[5, 6, 7, 8, 9], [3, 1], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    # An EOS the first prompt reaches early, so rows finish at different steps.
+    eos = SpeculativeGenerator(cfg, params).generate(prompts[0], 30).token_ids[6]
+    cfg = dataclasses.replace(cfg, eos_token_ids=(eos,))
+    singles = [SpeculativeGenerator(cfg, params).generate(p, 30).token_ids for p in prompts]
+    assert len(singles[0]) <= 7 and singles[0][-1] == eos
+    tree = tree_preset(tree_name) if tree_name else None
+    gen = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
+    results = gen.generate_batch(prompts, 30)
+    assert [r.token_ids for r in results] == singles
+    assert results[0].steps < results[1].steps or singles[1][-1] == eos
+    with pytest.raises(JaxspecError, match="empty prompt"):
+        gen.generate_batch([[1, 2], []], 5)
+
+
 @pytest.mark.parametrize("tree_name", [None, "cpu-16"])
 def test_steps_never_recompile(tree_name):
     cfg, params = tiny()
