@@ -45,7 +45,7 @@ def trained(tiny_ckpt, tmp_path_factory, monkeypatch_module):
     common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
               "--out", str(tmp / "out"), "--train-seqs", "10", "--test-seqs", "4",
               "--seq-len", "64", "--batch", "32", "--save-every", "4", "--lr", "0.01",
-              "--heads", "3"]  # fmt: skip
+              "--heads", "3", "--prompt-len", "40", "--new-tokens", "24"]  # fmt: skip
     first = medusa.train([*common, "--steps", "12"])
     second = medusa.train([*common, "--steps", "20"])
     return tmp / "out", first, second, tiny_ckpt[0]
@@ -71,6 +71,16 @@ def test_training_resumes_and_learns(trained):
         "searched-32",
         "searched-64",
     }
+
+
+def test_self_data_is_the_models_greedy_answer(trained):
+    out, _, _, ckpt = trained
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    data = dict(np.load(next((out.parent).glob("self-train-*.npz"))))
+    for tokens, start, length in list(zip(data["tokens"], data["starts"], data["lengths"]))[:3]:
+        prompt = tokens[:start].tolist()
+        ar = SpeculativeGenerator(cfg, params).generate(prompt, 24).token_ids
+        assert tokens[start:length].tolist() == ar
 
 
 def test_trained_medusa_is_lossless(trained):

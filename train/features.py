@@ -53,15 +53,25 @@ def extract(model, conversations, n_seqs: int, seq_len: int, out: Path, batch: i
     lengths = np.array([len(s) for s in seqs], np.int32)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)] = s
-    hidden = np.zeros((len(seqs), seq_len, model.cfg.dim), np.float16)
+    return extract_sequences(model, {"tokens": tokens, "lengths": lengths}, out, batch)
+
+
+def extract_sequences(model, data: dict, out: Path, batch: int = 4) -> dict:
+    """data {"tokens" [N,T], "lengths" [N], ...} -> data + "hidden" [N,T,D] float16 and
+    "predicted" [N,T] (cached in `out`)."""
+    out = Path(out)
+    if out.is_file():
+        return dict(np.load(out))
+    tokens = data["tokens"]
+    hidden = np.zeros((*tokens.shape, model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
-    for start in tqdm(range(0, len(seqs), batch), desc=f"features {out.stem}", unit="batch"):
+    for start in tqdm(range(0, len(tokens), batch), desc=f"features {out.stem}", unit="batch"):
         chunk = tokens[start : start + batch]
         pad = batch - len(chunk)
         h, p = _features(model.params, np.pad(chunk, ((0, pad), (0, 0))), cfg=model.cfg)
         hidden[start : start + len(chunk)] = np.asarray(h)[: len(chunk)]
         predicted[start : start + len(chunk)] = np.asarray(p)[: len(chunk)]
-    data = {"hidden": hidden, "tokens": tokens, "predicted": predicted, "lengths": lengths}
+    data = {**data, "hidden": hidden, "predicted": predicted}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial.npz")
     np.savez(tmp, **data)

@@ -1,11 +1,14 @@
 """jaxspec-train medusa: Medusa heads on a frozen base model, trained on ShareGPT.
 
-1. Features of the base model (last hidden states, its own greedy predictions) are
-   computed once for N train and M test conversations (chat template applied) and cached.
-2. Heads train on them: head k at position t learns the token k+1 positions ahead, either
+1. Data: `--data self` (default) is the base model's own greedy answers to the first user
+   turns of N train and M test conversations (train/selfdata.py), loss on answer positions
+   only; `--data sharegpt` is the conversations themselves (chat template), all positions.
+   Features (last hidden states, the base model's greedy predictions) are cached.
+2. Heads train on them: head k at position t learns the token k+1 positions ahead:
    the base model's own greedy prediction there (`--targets self`, the default:
-   self-distillation, what verification will check against) or the data token
-   (`--targets data`). Cross-entropy per head, weighted decay**k.
+   what greedy verification checks against), the data token (`--targets data`), or the base
+   model's whole next-token distribution there (`--targets kl`: KL self-distillation).
+   Loss per head weighted decay**k.
 3. Orbax checkpoints every --save-every steps; a rerun resumes from the last one.
 4. Evaluation: per-head top-1..5 accuracy on the test split; the drafter and its card
    are written to --out.
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from functools import partial
@@ -31,8 +35,10 @@ from jaxspec.checkpoint import jaxspec_home
 from jaxspec.data.sources import sharegpt_split
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
+from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
-from train.features import extract
+from train.features import extract, extract_sequences
+from train.selfdata import generate_answers
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -47,40 +53,60 @@ def parse_args(argv):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--train-seqs", type=int, default=400)
     p.add_argument("--test-seqs", type=int, default=40)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--data", choices=("self", "sharegpt"), default="self")
+    p.add_argument("--seq-len", type=int, default=256, help="sharegpt data: tokens per sequence")
+    p.add_argument("--prompt-len", type=int, default=128, help="self data: longest prompt")
+    p.add_argument("--new-tokens", type=int, default=192, help="self data: answer length")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=256, help="positions per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay**k")
-    p.add_argument("--targets", choices=("self", "data"), default="self")
+    p.add_argument("--targets", choices=("self", "data", "kl"), default="self")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def samples(features: dict, K: int, targets: str) -> tuple[np.ndarray, np.ndarray]:
-    """-> (sequence, position) pairs [N,2] with all K targets inside the sequence, and the
-    targets [N,K]: head k (1-based) at position t targets token t+k+1."""
+    """-> (sequence, position) pairs [N,2] with all K targets inside the sequence (and, for
+    self data, inside the answer), and token targets [N,K]: head k (1-based) at position t
+    targets token t+k+1 (the base model's greedy guess for it sits at t+k)."""
+    starts = features.get("starts", np.ones_like(features["lengths"]))
     pairs, labels = [], []
-    for n, length in enumerate(features["lengths"]):
-        t = np.arange(0, length - K - 1)
+    for n, (start, length) in enumerate(zip(starts, features["lengths"], strict=True)):
+        t = np.arange(start - 1, length - K - 1)
         pairs.append(np.stack([np.full_like(t, n), t], 1))
-        if targets == "self":  # the base model's greedy guess for t+k+1 sits at t+k
-            labels.append(np.stack([features["predicted"][n, t + k] for k in range(1, K + 1)], 1))
-        else:
+        if targets == "data":
             labels.append(np.stack([features["tokens"][n, t + k + 1] for k in range(1, K + 1)], 1))
+        else:
+            labels.append(np.stack([features["predicted"][n, t + k] for k in range(1, K + 1)], 1))
     return np.concatenate(pairs), np.concatenate(labels)
 
 
-def head_losses(drafter, base, params, h, labels):
+def gather(features: dict, pairs: np.ndarray, K: int, with_future: bool):
+    """-> hidden [N,D] at the pairs and, if with_future, [N,K,D] at positions t+1..t+K (the
+    base model's distributions for the heads' targets)."""
+    h = jnp.asarray(features["hidden"][pairs[:, 0], pairs[:, 1]], jnp.float32)
+    if not with_future:
+        return h, None
+    future = pairs[:, 1:] + np.arange(1, K + 1)[None]
+    return h, jnp.asarray(features["hidden"][pairs[:, :1], future], jnp.float32)
+
+
+def head_losses(drafter, base, params, h, labels, h_future):
+    """Cross-entropy per head [K] against token labels [N,K] or, when h_future [N,K,D] is
+    given, against the base model's distributions there (KL up to a constant)."""
     logits = drafter.head_logits(base, params, h)  # [N,K,V]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(0)  # [K]
+    if h_future is None:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(0)
+    teacher = jax.nn.softmax(lm_logits(base, drafter.cfg, h_future), -1)  # [N,K,V]
+    return optax.softmax_cross_entropy(logits, teacher).mean(0)
 
 
 @partial(jax.jit, static_argnames=("drafter", "optimizer"))
-def train_step(state, base, h, labels, weights, *, drafter, optimizer):
+def train_step(state, base, h, labels, h_future, weights, *, drafter, optimizer):
     def loss_fn(params):
-        losses = head_losses(drafter, base, params, h, labels)
+        losses = head_losses(drafter, base, params, h, labels, h_future)
         return (losses * weights).sum(), losses
 
     (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
@@ -102,7 +128,7 @@ def evaluate(drafter, base, params, features, targets, batch=512) -> np.ndarray:
     hits = np.zeros((drafter.n_heads, 5))
     for i in range(0, len(pairs), batch):
         p, lab = pairs[i : i + batch], labels[i : i + batch]
-        h = jnp.asarray(features["hidden"][p[:, 0], p[:, 1]], jnp.float32)
+        h, _ = gather(features, p, drafter.n_heads, False)
         hits += np.asarray(topk_hits(base, params, h, jnp.asarray(lab), drafter=drafter))
     return hits / len(pairs)  # [K,5] top-1..5 accuracy
 
@@ -115,9 +141,20 @@ def train(argv) -> dict:
     out = args.out or REPO_DRAFTERS / cfg.name / "medusa"
     start_time = time.perf_counter()
 
-    def features(split, n):  # cached per (split, count, length): reruns reuse them
-        file = work / f"{split}-{n}x{args.seq_len}.npz"
-        return extract(model, sharegpt_split(split), n, args.seq_len, file)
+    def features(split, n):  # cached per (split, count, lengths): reruns reuse them
+        if args.data == "sharegpt":
+            file = work / f"{split}-{n}x{args.seq_len}.npz"
+            return extract(model, sharegpt_split(split), n, args.seq_len, file)
+        name = f"{split}-{n}-p{args.prompt_len}-n{args.new_tokens}"
+        answers = generate_answers(
+            model,
+            sharegpt_split(split),
+            n,
+            work.parent / f"self-{name}.npz",
+            args.prompt_len,
+            args.new_tokens,
+        )
+        return extract_sequences(model, answers, work / f"features-self-{name}.npz")
 
     train_f, test_f = features("train", args.train_seqs), features("test", args.test_seqs)
     pairs, labels = samples(train_f, args.heads, args.targets)
@@ -127,7 +164,7 @@ def train(argv) -> dict:
     params = drafter.init(model.params)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
     manager = ocp.CheckpointManager(
-        (work / "checkpoints").resolve(),
+        (work / "checkpoints" / run_name(args)).resolve(),
         options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every),
     )
     if manager.latest_step() is not None:
@@ -140,12 +177,13 @@ def train(argv) -> dict:
     losses = jnp.zeros(args.heads)
     for step in bar:
         idx = order[(step * args.batch + np.arange(args.batch)) % len(order)]
-        h = jnp.asarray(train_f["hidden"][pairs[idx, 0], pairs[idx, 1]], jnp.float32)
+        h, h_future = gather(train_f, pairs[idx], args.heads, args.targets == "kl")
         state, losses = train_step(
             state,
             model.params,
             h,
             jnp.asarray(labels[idx]),
+            h_future,
             weights,
             drafter=drafter,
             optimizer=optimizer,
@@ -171,6 +209,13 @@ def train(argv) -> dict:
     return report
 
 
+def run_name(args) -> str:
+    """Checkpoints live per training setting: a rerun with the same flags resumes, a run
+    with different ones starts fresh (more --steps continue the same run)."""
+    flags = {k: v for k, v in vars(args).items() if k not in ("save_every", "out", "steps")}
+    return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
+
+
 def command_flags(args) -> str:
     skip = ("model", "out", "work_dir")
     flags = (
@@ -181,6 +226,18 @@ def command_flags(args) -> str:
     return " ".join(flags)
 
 
+TARGETS = {
+    "self": "the base model's own greedy predictions",
+    "data": "the data tokens",
+    "kl": "the base model's next-token distributions, KL self-distillation",
+}
+DATA = {
+    "self": "the base model's own greedy answers (loss on answer tokens only) to the first "
+    "user turns of ShareGPT conversations",
+    "sharegpt": "ShareGPT conversations (chat template), every position",
+}
+
+
 def card(args, cfg, report) -> str:
     rows = "\n".join(
         f"| {k + 1} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
@@ -189,16 +246,17 @@ def card(args, cfg, report) -> str:
     return f"""# Medusa drafter for {cfg.name}
 
 - Heads: {args.heads} (ResBlock + the frozen base lm_head), targets: `{args.targets}`
-  ({"the base model's own greedy predictions" if args.targets == "self" else "data tokens"}).
-- Data: ShareGPT train split (chat template), first {args.train_seqs} usable conversations,
-  {args.seq_len} tokens each: {report["train_positions"]} training positions.
+  ({TARGETS[args.targets]}).
+- Data: {DATA[args.data]}, {args.train_seqs} train-split conversations:
+  {report["train_positions"]} training positions.
 - Training: {report["steps"]} steps of {args.batch} positions, AdamW lr {args.lr} cosine,
   head weights {args.decay}**k; {report["train_minutes"]} minutes end to end on the machine
   that trained it.
 - Final training loss per head: {report["final_loss_per_head"]}
 - Command: `jaxspec-train medusa {command_flags(args)}`
 
-Test-split accuracy ({args.test_seqs} ShareGPT test conversations), top-1..5:
+Test-split accuracy ({args.test_seqs} ShareGPT test conversations, same kind of data),
+top-1..5 against the base model's greedy tokens:
 
 | head | top-1 | top-2 | top-3 | top-4 | top-5 |
 |---|---|---|---|---|---|
