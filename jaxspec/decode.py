@@ -40,7 +40,8 @@ class DraftInputs:
     hidden: layer count -> [B,D] state (after that many layers) at the node whose
     prediction is `current`; current [B]: the newest token (next step's root), not yet in
     the cache; position [B]: its position; emitted [B,E] / n_emitted [B]: tokens this
-    step produced (E = max depth + 1; the last valid one is `current`).
+    step produced (E = max depth + 1; the last valid one is `current`); drafted: what the
+    drafter's own `run_model` computed for that node (FIRP: pseudo states), else None.
     """
 
     hidden: dict[int, jax.Array]
@@ -48,6 +49,7 @@ class DraftInputs:
     position: jax.Array
     emitted: jax.Array
     n_emitted: jax.Array
+    drafted: jax.Array | None = None
 
 
 class Drafter:
@@ -55,6 +57,7 @@ class Drafter:
 
     `collect`: the layer counts whose hidden states `propose` needs.
     `check_tree(tree)`: raise JaxspecError if the drafter cannot fill this tree.
+    `run_model(...)`: the model's forward; drafters that draft inside it (FIRP) override it.
     `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
     the token for every non-root tree node.
     """
@@ -64,8 +67,25 @@ class Drafter:
     def check_tree(self, tree: TreeSpec) -> None:
         pass
 
+    def run_model(
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect
+    ):
+        """h [B,T,D] embedded new tokens -> (last-layer states [B,T,D], KVBlock of the T
+        tokens, collected states, per-anchor drafts [B,A,...] or None). anchors [B,A]: the
+        new tokens whose drafts may be needed (the last prompt token; every tree node)."""
+        h, block, states = run_layers(params, cfg, h, positions, cache, new_mask, collect=collect)
+        return h, block, states, None
+
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
         raise NotImplementedError
+
+
+def tree_candidates(logits: jax.Array, tree: TreeSpec) -> jax.Array:
+    """Per-depth guesses logits [B,K,V] (K >= max depth) -> candidates [B,T-1]: the node at
+    depth d and rank r gets the rank-r token of depth d's guess."""
+    top = jax.lax.top_k(logits, int(tree.rank.max()) + 1)[1]  # [B,K,ranks]
+    depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
+    return top[:, depth, rank].astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +101,10 @@ def _collected_layers(drafter: Drafter, cfg: LlamaConfig) -> tuple[int, ...]:
     return tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
 
 
-def _draft(drafter, params, drafter_params, tree, h_at, current, position, emitted, n, key):
-    inputs = DraftInputs(h_at, current, position, emitted, n)
+def _draft(
+    drafter, params, drafter_params, tree, h_at, current, position, emitted, n, drafted, key
+):
+    inputs = DraftInputs(h_at, current, position, emitted, n, drafted)
     return drafter.propose(params, drafter_params, tree, inputs, jax.random.fold_in(key, 7))
 
 
@@ -95,17 +117,19 @@ def prefill_and_draft(
     B, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P), (B, P))
     collect = _collected_layers(drafter, cfg)
-    _, block, states = run_layers(
-        params, cfg, embed(params, tokens), positions, None, causal_mask(B, P), collect=collect
-    )
-    at_last = lambda h: jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # noqa: E731
-    h_at = {i: at_last(h) for i, h in states.items()}
+    last = (lengths - 1)[:, None]  # [B,1]
+    _, block, states, drafted = drafter.run_model(
+        params, drafter_params, cfg, embed(params, tokens), positions, None,
+        causal_mask(B, P), last, collect,
+    )  # fmt: skip
+    h_at = {i: jnp.take_along_axis(h, last[:, :, None], axis=1)[:, 0] for i, h in states.items()}
     last_logits = lm_logits(params, cfg, h_at[cfg.n_layers][:, None])[:, 0]
     current = select_tokens(last_logits, position_keys(key, lengths), sampling)
     emitted = jnp.zeros((B, tree.max_depth + 1), jnp.int32).at[:, 0].set(current)
     one = jnp.ones((B,), jnp.int32)
+    drafted = None if drafted is None else drafted[:, 0]
     candidates = _draft(
-        drafter, params, drafter_params, tree, h_at, current, lengths, emitted, one, key
+        drafter, params, drafter_params, tree, h_at, current, lengths, emitted, one, drafted, key
     )
     return current, candidates, block
 
@@ -132,9 +156,11 @@ def speculative_step(
     positions = cache.lengths[:, None] + depth[None]
     mask = jnp.broadcast_to(jnp.asarray(tree.mask), (B, tree.n_nodes, tree.n_nodes))
     collect = _collected_layers(drafter, cfg)
-    _, block, states = run_layers(
-        params, cfg, embed(params, tokens), positions, cache, mask, collect=collect
-    )
+    every_node = jnp.broadcast_to(jnp.arange(tree.n_nodes), (B, tree.n_nodes))
+    _, block, states, drafted = drafter.run_model(
+        params, drafter_params, cfg, embed(params, tokens), positions, cache, mask, every_node,
+        collect,
+    )  # fmt: skip
     logits = lm_logits(params, cfg, states[cfg.n_layers])  # [B,T,V]
     keys = position_keys(key, cache.lengths)
     if sampling.greedy:
@@ -150,11 +176,14 @@ def speculative_step(
     emitted = jnp.where(slot == n_accepted[:, None], bonus[:, None], emitted)
     n_emitted = n_accepted + 1
     last = jnp.take_along_axis(nodes, n_accepted[:, None], axis=1)[:, 0]
-    h_at = {i: jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0] for i, h in states.items()}
+    at_last = lambda x: jnp.take_along_axis(x, last.reshape((B,) + (1,) * (x.ndim - 1)), 1)[:, 0]  # noqa: E731
+    h_at = {i: at_last(h) for i, h in states.items()}
+    drafted = None if drafted is None else at_last(drafted)
     position = cache.lengths + n_emitted
     candidates = _draft(
-        drafter, params, drafter_params, tree, h_at, bonus, position, emitted, n_emitted, key
-    )
+        drafter, params, drafter_params, tree, h_at, bonus, position, emitted, n_emitted, drafted,
+        key,
+    )  # fmt: skip
     return emitted, n_emitted, bonus, candidates, gather_path(block, nodes)
 
 

@@ -55,6 +55,7 @@ def run_layers(
     start: int = 0,
     stop: int | None = None,
     collect: Sequence[int] = (),
+    context_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, KVBlock, dict[int, jax.Array]]:
     """Run layers [start, stop) on hidden states h [B,T,D] at positions [B,T].
 
@@ -63,14 +64,19 @@ def run_layers(
     see each other (causal for a chain, the tree mask for a tree). The cache is only read:
     the new tokens' keys/values come back as a KVBlock of the layers run, for `commit`.
     `collect` names layer counts i whose output (the state after i layers, HF's
-    hidden_states[i]) is returned in the dict.
+    hidden_states[i]) is returned in the dict. `context_mask` [B,T,S], when given, replaces
+    "sees the committed slots" with any per-token choice of cache slots (FIRP's training
+    attends pseudo tokens to a prefix of the real ones).
     """
     stop = cfg.n_layers if stop is None else stop
     cos, sin = rope_tables(cfg, positions)
     if cache is None:
         mask, keys_in, values_in = new_mask, [None] * cfg.n_layers, [None] * cfg.n_layers
-    else:
+    elif context_mask is None:
         mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
+        keys_in, values_in = cache.keys, cache.values
+    else:
+        mask = jnp.concatenate([context_mask, new_mask], axis=-1)
         keys_in, values_in = cache.keys, cache.values
     keys, values = [], []
     collected = {start: h} if start in collect else {}

@@ -77,7 +77,8 @@ def test_self_data_is_the_models_greedy_answer(trained):
     out, _, _, ckpt = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)
     data = dict(np.load(next((out.parent).glob("self-train-*.npz"))))
-    for tokens, start, length in list(zip(data["tokens"], data["starts"], data["lengths"]))[:3]:
+    rows = zip(data["tokens"], data["starts"], data["lengths"], strict=True)
+    for tokens, start, length in list(rows)[:3]:
         prompt = tokens[:start].tolist()
         ar = SpeculativeGenerator(cfg, params).generate(prompt, 24).token_ids
         assert tokens[start:length].tolist() == ar

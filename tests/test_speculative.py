@@ -141,16 +141,30 @@ def exact_two_token_distribution(cfg, params, context, sampling):
     return p[0, -2][:, None] * p[:, -1]  # p(x1) * p(x2 | x1)
 
 
+def sampling_test_drafter(name: str, cfg: LlamaConfig):
+    """-> (drafter, its params): random guesses, or FIRP with random maps (its pseudo
+    chains join the verify forward, which must leave the verified logits alone)."""
+    if name == "random":
+        return RandomDrafter(cfg.vocab_size), None
+    from jaxspec.drafters.firp import FirpDrafter
+
+    drafter = FirpDrafter(cfg, (1, 2))
+    D = cfg.dim
+    w = jax.random.normal(jax.random.key(5), (2, D, D)) / np.sqrt(D)
+    return drafter, {"maps": [{"w": w[i], "b": jnp.zeros(D)} for i in range(2)]}
+
+
 @pytest.mark.parametrize(
-    "tree_name, sampling",
+    "tree_name, sampling, drafter_name",
     [
-        ("chain-4", Sampling(1.0)),
-        ("cpu-8", Sampling(0.7)),
-        ("cpu-16", Sampling(1.0, top_p=0.8)),
-        ("cpu-24", Sampling(1.3, top_k=5)),
+        ("chain-4", Sampling(1.0), "random"),
+        ("cpu-8", Sampling(0.7), "random"),
+        ("cpu-16", Sampling(1.0, top_p=0.8), "random"),
+        ("cpu-24", Sampling(1.3, top_k=5), "random"),
+        ("chain-2", Sampling(1.0, top_p=0.9), "firp"),
     ],
 )
-def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling):
+def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling, drafter_name):
     """Chi-square of the first two emitted tokens over many rows against the exact
     two-token distribution, for drafts that are often right (tiny vocabulary)."""
     from scipy.stats import chisquare
@@ -158,20 +172,21 @@ def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling)
     cfg, params = tiny("tiny-mqa", vocab=6)
     tree = tree_preset(tree_name)
     prompt, root, N = [1, 4, 2, 5], 3, 12000
-    static = dict(cfg=cfg, sampling=sampling, tree=tree, drafter=RandomDrafter(cfg.vocab_size))
+    drafter, dparams = sampling_test_drafter(drafter_name, cfg)
+    static = dict(cfg=cfg, sampling=sampling, tree=tree, drafter=drafter)
     cache = init_cache(cfg, N, 32)
     tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (N, len(prompt)))
     lengths = jnp.full((N,), len(prompt), jnp.int32)
-    _, _, block = prefill_and_draft(params, None, tokens, lengths, jax.random.key(0), **static)
+    _, _, block = prefill_and_draft(params, dparams, tokens, lengths, jax.random.key(0), **static)
     cache = commit(cache, block, lengths)
     current = jnp.full((N,), root, jnp.int32)
     candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)
     emitted, n, current, candidates, block = speculative_step(
-        params, None, cache, current, candidates, jax.random.key(2), **static
+        params, dparams, cache, current, candidates, jax.random.key(2), **static
     )
     cache = commit(cache, block, n)
     emitted2, *_ = speculative_step(
-        params, None, cache, current, candidates, jax.random.key(3), **static
+        params, dparams, cache, current, candidates, jax.random.key(3), **static
     )
     emitted, n, emitted2 = np.asarray(emitted), np.asarray(n), np.asarray(emitted2)
     x1 = emitted[:, 0]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import Drafter
+from jaxspec.decode import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import final_norm, vocab_projection
 from jaxspec.tree import TreeSpec
@@ -68,6 +68,4 @@ class MedusaDrafter(Drafter):
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
         hidden = inputs.hidden[self.cfg.n_layers]
         logits = self.head_logits(params, drafter_params, hidden, tree.max_depth)  # [B,d,V]
-        top = jax.lax.top_k(logits, int(tree.rank.max()) + 1)[1]  # [B,K,k]
-        depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
-        return top[:, depth, rank].astype(jnp.int32)  # [B,T-1]
+        return tree_candidates(logits, tree)

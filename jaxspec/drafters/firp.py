@@ -1,0 +1,158 @@
+"""FIRP (future intermediate representation prediction): at layer t_i a linear map (D x D
++ bias) turns a token's hidden state into the *pseudo* hidden state of the position i
+ahead; pseudo states run through the remaining layers beside the real tokens and the
+model's own lm_head turns them into draft distributions. The drafter is K small matrices.
+
+Pseudo chains hang off anchors: in a verify step every tree node (any node may end up the
+last accepted one), in a prefill the last prompt token. For an anchor at position p, pseudo
+step i sits at position p + i and sees what its anchor sees (the cache and the anchor's
+tree ancestors, itself included), the earlier steps of its own chain, and itself. Real
+tokens never see pseudo ones, so the logits being verified are exactly the model's.
+
+Cost of a verify step with T tree nodes and K steps: T*K extra tokens, step i's only in
+layers t_i..L (sum_i T*(L - t_i)/L token-equivalents of layer work), and K vocabulary
+projections: only the accepted node's chain reaches the lm_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import LlamaConfig
+from jaxspec.decode import Drafter, tree_candidates
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
+from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.tree import TreeSpec
+
+
+def chain_mask(n_anchors: int, n_steps: int) -> np.ndarray:
+    """[K*A, K*A] among pseudo tokens ordered step-major (row i*A + a: step i+1 of anchor
+    a): each sees the earlier steps of its own anchor's chain and itself."""
+    step = np.repeat(np.arange(n_steps), n_anchors)
+    anchor = np.tile(np.arange(n_anchors), n_steps)
+    return (anchor[:, None] == anchor[None]) & (step[None] <= step[:, None])
+
+
+def joint_mask(new_mask: jax.Array, anchors: jax.Array, n_steps: int) -> jax.Array:
+    """new_mask [B,T,T] among real tokens, anchors [B,A] -> [B,T+K*A,T+K*A] over
+    [real ; pseudo step-major]: real rows keep new_mask and see no pseudo token; a pseudo
+    row sees what its anchor sees plus its chain (chain_mask)."""
+    B, T, _ = new_mask.shape
+    A = anchors.shape[1]
+    sees_real = jnp.take_along_axis(new_mask, anchors[:, :, None], axis=1)  # [B,A,T]
+    real_rows = jnp.concatenate([new_mask, jnp.zeros((B, T, n_steps * A), bool)], -1)
+    chain = jnp.broadcast_to(jnp.asarray(chain_mask(A, n_steps)), (B, n_steps * A, n_steps * A))
+    pseudo_rows = jnp.concatenate([jnp.tile(sees_real, (1, n_steps, 1)), chain], -1)
+    return jnp.concatenate([real_rows, pseudo_rows], 1)
+
+
+def pseudo_positions(positions: jax.Array, anchors: jax.Array, n_steps: int) -> jax.Array:
+    """positions [B,T], anchors [B,A] -> [B,K*A] step-major: step i at anchor's + i."""
+    at_anchor = jnp.take_along_axis(positions, anchors, axis=1)  # [B,A]
+    return jnp.concatenate([at_anchor + i for i in range(1, n_steps + 1)], axis=1)
+
+
+def apply_map(layer_map: dict, h: jax.Array) -> jax.Array:
+    return (h.astype(jnp.float32) @ layer_map["w"] + layer_map["b"]).astype(h.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class FirpDrafter(Drafter):
+    cfg: LlamaConfig  # the base model's
+    layers: tuple[int, ...]  # t_1 < ... < t_K: step i maps the state after t_i layers
+
+    def __post_init__(self):
+        layers = tuple(self.layers)
+        if not layers or list(layers) != sorted(set(layers)):
+            raise JaxspecError(f"FIRP layers must be increasing and distinct, got {layers}")
+        if layers[0] < 1 or layers[-1] > self.cfg.n_layers:
+            raise JaxspecError(
+                f"FIRP layers must lie in 1..{self.cfg.n_layers} for this model, got {layers}"
+            )
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.layers)
+
+    def init(self) -> dict:
+        """Identity maps: before training a pseudo state starts as a copy of its anchor."""
+        D = self.cfg.dim
+        return {"maps": [{"w": jnp.eye(D), "b": jnp.zeros((D,))} for _ in self.layers]}
+
+    def check_tree(self, tree: TreeSpec) -> None:
+        if tree.max_depth > self.n_steps:
+            raise JaxspecError(
+                f"tree depth {tree.max_depth} exceeds the drafter's {self.n_steps} FIRP steps; "
+                "pick a shallower tree"
+            )
+
+    def run_model(
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect
+    ):
+        """The forward with pseudo chains joining at layers t_i -> (real last states
+        [B,T,D], the real tokens' KVBlock, collected real states, pseudo last states
+        [B,A,K,D])."""
+        B, T, D = h.shape
+        A, K = anchors.shape[1], self.n_steps
+        mask = joint_mask(new_mask, anchors, K)
+        pos = jnp.concatenate([positions, pseudo_positions(positions, anchors, K)], axis=1)
+        bounds = (0, *self.layers, cfg.n_layers)
+        keys, values, states = [], [], {}
+        for s in range(K + 1):
+            n = T + s * A  # real tokens and the pseudo steps joined so far
+            h, block, got = run_layers(
+                params, cfg, h, pos[:, :n], cache, mask[:, :n, :n], bounds[s], bounds[s + 1],
+                collect,
+            )  # fmt: skip
+            keys += [k[:, :, :T] for k in block.keys]
+            values += [v[:, :, :T] for v in block.values]
+            states.update({i: x[:, :T] for i, x in got.items()})
+            if s < K:
+                at_anchor = jnp.take_along_axis(h[:, :T], anchors[:, :, None], axis=1)  # [B,A,D]
+                h = jnp.concatenate([h, apply_map(drafter_params["maps"][s], at_anchor)], 1)
+        pseudo = h[:, T:].reshape(B, K, A, D).transpose(0, 2, 1, 3)
+        return h[:, :T], KVBlock(tuple(keys), tuple(values)), states, pseudo
+
+    def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
+        if tree.n_nodes == 1:
+            return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
+        logits = lm_logits(params, self.cfg, inputs.drafted[:, : tree.max_depth])  # [B,d,V]
+        return tree_candidates(logits, tree)
+
+
+def training_forward(params, cfg: LlamaConfig, maps, layers, tokens, anchors):
+    """The same pseudo chains for training, on full sequences: tokens [B,n], anchors [B,A]
+    -> (pseudo last states [B,A,K,D] for the K = len(maps) steps, real last states [B,n,D]).
+
+    The real tokens run once, without gradient; the pseudo tokens then attend to their
+    keys/values as a read-only context (anchor a sees real tokens <= a), so the backward
+    pass only covers pseudo tokens.
+    """
+    B, n = tokens.shape
+    A, K, D = anchors.shape[1], len(maps), cfg.dim
+    positions = jnp.broadcast_to(jnp.arange(n), (B, n))
+    h_real, block, states = run_layers(
+        params, cfg, embed(params, tokens), positions, None, causal_mask(B, n), collect=layers[:K]
+    )
+    h_real, block, states = jax.lax.stop_gradient((h_real, block, states))
+    context = KVCache(block.keys, block.values, jnp.zeros((B,), jnp.int32))
+    sees = jnp.arange(n)[None, None, :] <= anchors[:, :, None]  # [B,A,n]
+    context_mask = jnp.tile(sees, (1, K, 1))  # [B,K*A,n]
+    chain = jnp.asarray(chain_mask(A, K))
+    pos = pseudo_positions(positions, anchors, K)
+    bounds = (*layers[:K], cfg.n_layers)
+    h = jnp.zeros((B, 0, D), h_real.dtype)
+    for s in range(K):
+        at_anchor = jnp.take_along_axis(states[layers[s]], anchors[:, :, None], axis=1)
+        h = jnp.concatenate([h, apply_map(maps[s], at_anchor)], axis=1)
+        m = (s + 1) * A
+        h, _, _ = run_layers(
+            params, cfg, h, pos[:, :m], context, jnp.broadcast_to(chain[:m, :m], (B, m, m)),
+            bounds[s], bounds[s + 1], context_mask=context_mask[:, :m],
+        )  # fmt: skip
+    return h.reshape(B, K, A, D).transpose(0, 2, 1, 3), h_real

@@ -1,0 +1,130 @@
+"""FIRP: pseudo-state masks and positions, training/inference agreement, losslessness."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decode import SpeculativeGenerator
+from jaxspec.drafters.firp import (
+    FirpDrafter,
+    chain_mask,
+    joint_mask,
+    pseudo_positions,
+    training_forward,
+)
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import causal_mask
+from jaxspec.llama import embed, init_params, run_layers
+from jaxspec.tree import TreeSpec, tree_preset
+from tests.test_speculative import tiny
+
+
+def random_maps(cfg, n_steps, seed=0):
+    D = cfg.dim
+    w = jax.random.normal(jax.random.key(seed), (n_steps, D, D)) / np.sqrt(D)
+    b = 0.1 * jax.random.normal(jax.random.key(seed + 1), (n_steps, D))
+    return {"maps": [{"w": w[i], "b": b[i]} for i in range(n_steps)]}
+
+
+def test_chain_mask_literal():
+    # Rows/cols: step1 of anchors 0,1 then step2 of anchors 0,1.
+    np.testing.assert_array_equal(
+        chain_mask(2, 2), [[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]]
+    )
+
+
+def test_joint_mask_and_positions_literal():
+    """Tree root + two rank siblings at depth 1 (nodes 0,1,2), chains of 2 on every node."""
+    tree = TreeSpec.from_paths([(0,), (1,)])
+    new_mask = jnp.asarray(tree.mask)[None]
+    anchors = jnp.arange(3)[None]
+    mask = np.asarray(joint_mask(new_mask, anchors, 2))[0].astype(int)
+    # cols: n0 n1 n2 | p1(n0) p1(n1) p1(n2) | p2(n0) p2(n1) p2(n2)
+    expected = [
+        [1, 0, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1, 0, 0, 1],
+    ]
+    np.testing.assert_array_equal(mask, expected)
+    positions = jnp.asarray([[7, 8, 8]])
+    np.testing.assert_array_equal(pseudo_positions(positions, anchors, 2), [[8, 9, 9, 9, 10, 10]])
+
+
+def test_pseudo_chains_leave_the_real_tokens_alone_and_match_training():
+    cfg, params = tiny()
+    drafter = FirpDrafter(cfg, (1, 2))
+    dparams = random_maps(cfg, 2)
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    anchors = jnp.asarray([[0, 4, 8], [2, 3, 5]])
+    h = embed(params, tokens)
+    h_real, block, states, pseudo = drafter.run_model(
+        params, dparams, cfg, h, positions, None, causal_mask(2, 9), anchors, (2,)
+    )
+    plain, plain_block, plain_states = run_layers(
+        params, cfg, h, positions, None, causal_mask(2, 9), collect=(2,)
+    )
+    np.testing.assert_allclose(h_real, plain, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(states[2], plain_states[2], rtol=1e-4, atol=1e-4)
+    for k, k_plain in zip(block.keys, plain_block.keys, strict=True):
+        np.testing.assert_allclose(k, k_plain, rtol=1e-4, atol=1e-4)
+    trained, real = training_forward(params, cfg, dparams["maps"], (1, 2), tokens, anchors)
+    assert pseudo.shape == trained.shape == (2, 3, 2, cfg.dim)
+    np.testing.assert_allclose(trained, pseudo, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(real, plain, rtol=1e-4, atol=1e-4)
+
+
+def deeper(name: str, n_layers: int = 5):
+    cfg, _ = tiny(name)
+    cfg = dataclasses.replace(cfg, n_layers=n_layers)
+    return cfg, init_params(cfg, jax.random.key(0), scale=0.3)
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
+@pytest.mark.parametrize("tree_name", ["chain-2", "cpu-8", "cpu-16"])
+def test_greedy_firp_is_lossless(name, tree_name):
+    cfg, params = deeper(name)
+    tree = tree_preset(tree_name)
+    layers = (1, 2, 3, 5)[: tree.max_depth]
+    drafter = FirpDrafter(cfg, layers)
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
+    gen = SpeculativeGenerator(cfg, params, drafter, random_maps(cfg, len(layers)), tree)
+    assert gen.generate(prompt, 40).token_ids == ar
+    batch = gen.generate_batch([prompt, [3, 4]], 20)
+    assert batch[0].token_ids == ar[:20]
+
+
+def test_identity_maps_draft_the_anchor_own_prediction_plus_context():
+    """Untrained (identity) maps: a first-step pseudo state at the last layer is the
+    anchor's own final state, so its draft equals the model's current prediction."""
+    cfg, params = tiny()
+    drafter = FirpDrafter(cfg, (cfg.n_layers,))
+    tokens = jax.random.randint(jax.random.key(1), (1, 6), 0, cfg.vocab_size)
+    positions = jnp.arange(6)[None]
+    h_real, _, _, pseudo = drafter.run_model(
+        params, drafter.init(), cfg, embed(params, tokens), positions, None, causal_mask(1, 6),
+        jnp.asarray([[5]]), (),
+    )  # fmt: skip
+    np.testing.assert_allclose(pseudo[0, 0, 0], h_real[0, 5], atol=1e-6)
+
+
+def test_bad_layers_and_trees_are_clear_errors():
+    cfg, params = tiny()
+    with pytest.raises(JaxspecError, match="increasing and distinct"):
+        FirpDrafter(cfg, (2, 1))
+    with pytest.raises(JaxspecError, match=r"lie in 1..3"):
+        FirpDrafter(cfg, (1, 9))
+    with pytest.raises(JaxspecError, match="exceeds the drafter's 1 FIRP steps"):
+        SpeculativeGenerator(cfg, params, FirpDrafter(cfg, (1,)), None, tree_preset("chain-2"))
