@@ -17,7 +17,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
-METHODS = ("ar", "medusa")  # grows as drafters land: firp, chimera, sdsat, ppd
+METHODS = ("ar", "medusa", "firp")  # grows as drafters land: chimera, sdsat, ppd
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 CPU_TREE = "chain-1"
 
@@ -59,6 +59,16 @@ def resolve_tree(name: str, settings: dict) -> TreeSpec:
     return tree_preset(name)
 
 
+def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
+    if method == "medusa":
+        from jaxspec.drafters.medusa import MedusaDrafter
+
+        return MedusaDrafter(cfg, settings["n_heads"], settings.get("own_lm_head", False))
+    from jaxspec.drafters.firp import FirpDrafter
+
+    return FirpDrafter(cfg, tuple(settings["layers"]))
+
+
 def build_generator(
     model: LoadedModel,
     method: str,
@@ -70,12 +80,11 @@ def build_generator(
     check_method(method)
     if method == "ar":
         return SpeculativeGenerator(model.cfg, model.params, sampling=sampling, max_len=max_len)
-    from jaxspec.drafters.medusa import MedusaDrafter
     from jaxspec.drafters.store import load_drafter
 
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
-    drafter = MedusaDrafter(model.cfg, settings["n_heads"], settings.get("own_lm_head", False))
+    drafter = make_drafter(method, model.cfg, settings)
     spec = resolve_tree(tree or default_tree(settings), settings)
     return SpeculativeGenerator(
         model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len

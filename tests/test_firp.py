@@ -128,3 +128,43 @@ def test_bad_layers_and_trees_are_clear_errors():
         FirpDrafter(cfg, (1, 9))
     with pytest.raises(JaxspecError, match="exceeds the drafter's 1 FIRP steps"):
         SpeculativeGenerator(cfg, params, FirpDrafter(cfg, (1,)), None, tree_preset("chain-2"))
+
+
+@pytest.fixture(scope="module")
+def trained_firp(tiny_ckpt, tmp_path_factory):
+    """Two FIRP steps, 6 updates each: run to 8 updates, 'interrupt', resume to the end."""
+    import train.firp as firp
+    from tests.test_medusa import conversations
+
+    tmp = tmp_path_factory.mktemp("firp")
+    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
+              "--out", str(tmp / "out"), "--train-seqs", "8", "--test-seqs", "4",
+              "--prompt-len", "40", "--new-tokens", "24", "--batch", "2", "--anchors", "8",
+              "--layers", "1,2", "--save-every", "2", "--lr", "0.01"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(firp, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        first = firp.train([*common, "--steps", "4"])  # 2 x 4 updates, finished
+        second = firp.train([*common, "--steps", "6"])  # resumes at 8 of 12 (stage 2)
+    return tmp / "out", first, second, tiny_ckpt[0]
+
+
+def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
+    import json
+
+    from infer.common import load_model, make_drafter
+    from jaxspec.drafters.store import load_drafter
+
+    out, first, second, ckpt = trained_firp
+    assert set(first["final_loss_per_step"]) == {1, 2}
+    assert set(second["final_loss_per_step"]) == {2}  # stage 1 was done: it resumed in stage 2
+    acc = np.array(second["test_topk_accuracy"])
+    assert acc.shape == (2, 5) and np.all(np.diff(acc, axis=1) >= 0)
+    meta = json.loads((out / "drafter.json").read_text())
+    assert meta["method"] == "firp" and meta["settings"]["layers"] == [1, 2]
+    model = load_model(ckpt)
+    settings, dparams = load_drafter(out, "firp", model.cfg)
+    drafter = make_drafter("firp", model.cfg, settings)
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
+    spec = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, tree_preset("chain-2"))
+    assert spec.generate(prompt, 24).token_ids == ar

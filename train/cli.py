@@ -18,7 +18,13 @@ def _medusa(argv):
     main(argv)
 
 
-TRAINERS = {"medusa": _medusa}  # method name -> main(argv)
+def _firp(argv):
+    from train.firp import main
+
+    main(argv)
+
+
+TRAINERS = {"medusa": _medusa, "firp": _firp}  # method name -> main(argv)
 PLANNED = ("medusa", "firp", "chimera", "sdsat", "ppd")
 
 

@@ -125,28 +125,28 @@ class FirpDrafter(Drafter):
         return tree_candidates(logits, tree)
 
 
-def training_forward(params, cfg: LlamaConfig, maps, layers, tokens, anchors):
-    """The same pseudo chains for training, on full sequences: tokens [B,n], anchors [B,A]
-    -> (pseudo last states [B,A,K,D] for the K = len(maps) steps, real last states [B,n,D]).
-
-    The real tokens run once, without gradient; the pseudo tokens then attend to their
-    keys/values as a read-only context (anchor a sees real tokens <= a), so the backward
-    pass only covers pseudo tokens.
-    """
+def real_context(params, cfg: LlamaConfig, tokens, layers):
+    """The real tokens' pass that training's pseudo chains attend to: tokens [B,n] ->
+    (last states [B,n,D], KVBlock of every layer, states after each of `layers`)."""
     B, n = tokens.shape
-    A, K, D = anchors.shape[1], len(maps), cfg.dim
     positions = jnp.broadcast_to(jnp.arange(n), (B, n))
-    h_real, block, states = run_layers(
-        params, cfg, embed(params, tokens), positions, None, causal_mask(B, n), collect=layers[:K]
+    return run_layers(
+        params, cfg, embed(params, tokens), positions, None, causal_mask(B, n), collect=layers
     )
-    h_real, block, states = jax.lax.stop_gradient((h_real, block, states))
-    context = KVCache(block.keys, block.values, jnp.zeros((B,), jnp.int32))
-    sees = jnp.arange(n)[None, None, :] <= anchors[:, :, None]  # [B,A,n]
-    context_mask = jnp.tile(sees, (1, K, 1))  # [B,K*A,n]
+
+
+def pseudo_forward(params, cfg: LlamaConfig, maps, layers, keys, values, states, anchors):
+    """Pseudo chains of K = len(maps) steps against real context: keys/values per layer
+    [B,Kv,n,H] (None below layers[0]), states {t_i: [B,n,D]}, anchors [B,A] -> pseudo last
+    states [B,A,K,D]. Anchor a's chain sees real tokens <= a, as in a verify step."""
+    B, A, K, D = *anchors.shape, len(maps), cfg.dim
+    n = states[layers[0]].shape[1]
+    context = KVCache(tuple(keys), tuple(values), jnp.zeros((B,), jnp.int32))
+    context_mask = jnp.tile(jnp.arange(n)[None, None, :] <= anchors[:, :, None], (1, K, 1))
     chain = jnp.asarray(chain_mask(A, K))
-    pos = pseudo_positions(positions, anchors, K)
+    pos = pseudo_positions(jnp.broadcast_to(jnp.arange(n), (B, n)), anchors, K)
     bounds = (*layers[:K], cfg.n_layers)
-    h = jnp.zeros((B, 0, D), h_real.dtype)
+    h = jnp.zeros((B, 0, D), states[layers[0]].dtype)
     for s in range(K):
         at_anchor = jnp.take_along_axis(states[layers[s]], anchors[:, :, None], axis=1)
         h = jnp.concatenate([h, apply_map(maps[s], at_anchor)], axis=1)
@@ -155,4 +155,16 @@ def training_forward(params, cfg: LlamaConfig, maps, layers, tokens, anchors):
             params, cfg, h, pos[:, :m], context, jnp.broadcast_to(chain[:m, :m], (B, m, m)),
             bounds[s], bounds[s + 1], context_mask=context_mask[:, :m],
         )  # fmt: skip
-    return h.reshape(B, K, A, D).transpose(0, 2, 1, 3), h_real
+    return h.reshape(B, K, A, D).transpose(0, 2, 1, 3)
+
+
+def training_forward(params, cfg: LlamaConfig, maps, layers, tokens, anchors):
+    """Pseudo chains on full sequences for training: tokens [B,n], anchors [B,A] ->
+    (pseudo last states [B,A,K,D] for the K = len(maps) steps, real last states [B,n,D]).
+
+    The real tokens run once, without gradient; the pseudo tokens attend to their
+    keys/values as a read-only context, so the backward pass only covers pseudo tokens.
+    """
+    h_real, block, states = jax.lax.stop_gradient(real_context(params, cfg, tokens, layers))
+    pseudo = pseudo_forward(params, cfg, maps, layers, block.keys, block.values, states, anchors)
+    return pseudo, h_real

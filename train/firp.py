@@ -1,0 +1,334 @@
+"""jaxspec-train firp: FIRP's linear maps on a frozen base model (paper §3.3, §4.2.3).
+
+1. Data: the base model's own greedy answers to ShareGPT train-split prompts (shared with
+   Medusa, train/selfdata.py). The real tokens' pass (keys/values of layers >= t_1, states
+   at each t_i, last states) is computed once and cached on disk.
+2. Steps train in sequence: step i's map (identity-initialised) learns while maps 1..i-1,
+   already trained, stay in place, so step i's pseudo state sees the earlier ones as at
+   inference. Anchors are sampled in the answers; the loss is KL(P_{q+i} || P~_q): the base
+   model's distribution at position q+i against the pseudo state's (cross-entropy to the
+   teacher's soft labels; the teacher's entropy is constant).
+3. Orbax checkpoints every --save-every steps; a rerun resumes (stage and step).
+4. Evaluation: per-step top-1..5 agreement with the base model's greedy tokens on the test
+   split; trees searched from it; the drafter and its card are written to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from infer.common import load_model
+from jaxspec.checkpoint import jaxspec_home
+from jaxspec.data.sources import sharegpt_split
+from jaxspec.drafters.firp import FirpDrafter, pseudo_forward, real_context
+from jaxspec.drafters.store import save_drafter
+from jaxspec.errors import JaxspecError
+from jaxspec.llama import lm_logits
+from jaxspec.tree import searched_trees
+from train.selfdata import generate_answers
+
+REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def default_layers(n_layers: int) -> tuple[int, ...]:
+    """The paper's choice scaled to depth: 15/20/25 of 32 layers -> about L/2, 2L/3, 5L/6."""
+    return tuple(sorted({max(1, round(n_layers * f)) for f in (0.5, 2 / 3, 5 / 6)}))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="jaxspec-train firp", description=__doc__)
+    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
+    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/firp)")
+    p.add_argument(
+        "--work-dir", type=Path, help="data, cached passes, checkpoints (default: $JAXSPEC_HOME)"
+    )
+    p.add_argument("--layers", help="comma-separated t_1<...<t_K (default: about L/2, 2L/3, 5L/6)")
+    p.add_argument("--train-seqs", type=int, default=400)
+    p.add_argument("--test-seqs", type=int, default=40)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=192)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="updates per FIRP step (a rerun with more continues the current FIRP step)",
+    )
+    p.add_argument("--batch", type=int, default=4, help="sequences per training step")
+    p.add_argument("--anchors", type=int, default=64, help="anchors sampled per sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def parse_layers(text: str | None, n_layers: int) -> tuple[int, ...]:
+    if not text:
+        return default_layers(n_layers)
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise JaxspecError(f"--layers takes comma-separated integers, got {text!r}") from None
+
+
+class RealPassCache:
+    """The real tokens' pass for every sequence, as float16 .npy memmaps in `folder`:
+    keys/values [N,L-t_1,Kv,n,H] (layers t_1..L), states [N,K,n,D], last [N,n,D].
+    Written batch by batch; `done.json` marks it complete (a rerun finishes a partial one)."""
+
+    def __init__(self, model, data: dict, layers, folder: Path, batch: int = 4):
+        self.layers, self.first = layers, layers[0]
+        self.data = data
+        cfg = model.cfg
+        N, n = data["tokens"].shape
+        shapes = {
+            "keys": (N, cfg.n_layers - self.first, cfg.n_kv_heads, n, cfg.head_dim),
+            "values": (N, cfg.n_layers - self.first, cfg.n_kv_heads, n, cfg.head_dim),
+            "states": (N, len(layers), n, cfg.dim),
+            "last": (N, n, cfg.dim),
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        progress = folder / "progress.json"
+        done = json.loads(progress.read_text())["rows"] if progress.is_file() else 0
+        mode = "r+" if done else "w+"
+        self.arrays = {
+            name: np.lib.format.open_memmap(folder / f"{name}.npy", mode, np.float16, shape)
+            for name, shape in shapes.items()
+        }
+        run = jax.jit(partial(real_context, cfg=cfg, layers=layers))
+        for start in tqdm(range(done, N, batch), desc=f"real pass {folder.name}", unit="batch"):
+            rows = slice(start, min(start + batch, N))
+            h, block, states = run(model.params, tokens=jnp.asarray(data["tokens"][rows]))
+            self.arrays["keys"][rows] = np.stack(block.keys[self.first :], 1)
+            self.arrays["values"][rows] = np.stack(block.values[self.first :], 1)
+            self.arrays["states"][rows] = np.stack([states[t] for t in layers], 1)
+            self.arrays["last"][rows] = np.asarray(h)
+            for array in self.arrays.values():
+                array.flush()
+            progress.write_text(json.dumps({"rows": rows.stop}))
+
+    def batch(self, rows: np.ndarray) -> dict:
+        return {name: jnp.asarray(array[rows], jnp.float32) for name, array in self.arrays.items()}
+
+
+def valid_anchor_range(data: dict, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence, anchors in [start - 1, length - 1 - K]: inside the answer, with all K
+    targets inside the sequence."""
+    return data["starts"] - 1, data["lengths"] - 1 - K
+
+
+def sample_anchors(rng, low, high, count) -> np.ndarray:
+    """[len(low), count] anchors drawn uniformly from [low, high] per row."""
+    span = np.maximum(high - low + 1, 1)
+    return (low[:, None] + rng.integers(0, 1 << 30, (len(low), count)) % span[:, None]).astype(
+        np.int32
+    )
+
+
+def pseudo_logits(base, cfg, maps, layers, batch, anchors, first):
+    """Batch of cached passes -> pseudo logits [B,A,K,V] for K = len(maps) steps."""
+    Lc = batch["keys"].shape[1]
+    keys = (None,) * first + tuple(batch["keys"][:, j] for j in range(Lc))
+    values = (None,) * first + tuple(batch["values"][:, j] for j in range(Lc))
+    states = {t: batch["states"][:, i] for i, t in enumerate(layers[: len(maps)])}
+    pseudo = pseudo_forward(base, cfg, maps, layers, keys, values, states, anchors)
+    return lm_logits(base, cfg, pseudo)
+
+
+def teacher_logits(base, cfg, last, anchors, step):
+    """The base model's logits at anchor + step: [B,A,V]."""
+    h = jnp.take_along_axis(last, (anchors + step)[:, :, None], axis=1)
+    return lm_logits(base, cfg, h)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layers", "optimizer"))
+def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer):
+    """One update of the newest map (the others frozen) -> state, loss."""
+    stage = len(frozen) + 1
+
+    def loss_fn(current):
+        maps = [*frozen, current]
+        logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0])[:, :, -1]
+        teacher = jax.nn.softmax(teacher_logits(base, cfg, batch["last"], anchors, stage), -1)
+        return optax.softmax_cross_entropy(logits, teacher).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["current"])
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["current"])
+    current = optax.apply_updates(state["current"], updates)
+    state = {**state, "current": current, "opt_state": opt_state}
+    return {**state, "step": state["step"] + 1, "stage_step": state["stage_step"] + 1}, loss
+
+
+@partial(jax.jit, static_argnames=("cfg", "layers"))
+def topk_hits(base, maps, batch, anchors, *, cfg, layers):
+    """-> [K,5] hits at top-1..5 per step against the base model's greedy tokens."""
+    logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0])  # [B,A,K,V]
+    ranks = jax.lax.top_k(logits, 5)[1]
+    hits = []
+    for i in range(len(maps)):
+        target = jnp.argmax(teacher_logits(base, cfg, batch["last"], anchors, i + 1), -1)
+        hits.append((jnp.cumsum(ranks[:, :, i] == target[..., None], -1) > 0).sum((0, 1)))
+    return jnp.stack(hits)
+
+
+def evaluate(model, maps, layers, cache: RealPassCache, anchors_per_seq=64, seed=0):
+    """Top-1..5 accuracy [K,5] over anchors drawn once (fixed seed) in each test answer."""
+    rng = np.random.default_rng(seed)
+    low, high = valid_anchor_range(cache.data, len(layers))
+    hits, count = np.zeros((len(layers), 5)), 0
+    for start in range(0, len(low), 4):
+        rows = np.arange(start, min(start + 4, len(low)))
+        keep = rows[high[rows] >= low[rows]]
+        if not len(keep):
+            continue
+        anchors = sample_anchors(rng, low[keep], high[keep], anchors_per_seq)
+        hits += np.asarray(
+            topk_hits(model.params, maps, cache.batch(keep), jnp.asarray(anchors),
+                      cfg=model.cfg, layers=layers)
+        )  # fmt: skip
+        count += anchors.size
+    return hits / count
+
+
+def run_name(args) -> str:
+    flags = {k: v for k, v in vars(args).items() if k not in ("save_every", "out", "steps")}
+    return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
+
+
+def train(argv) -> dict:
+    args = parse_args(argv)
+    model = load_model(args.model)
+    cfg = model.cfg
+    layers = parse_layers(args.layers, cfg.n_layers)
+    drafter = FirpDrafter(cfg, layers)  # validates the layers
+    K = drafter.n_steps
+    work = args.work_dir or jaxspec_home() / "train" / cfg.name / "firp"
+    out = args.out or REPO_DRAFTERS / cfg.name / "firp"
+    start_time = time.perf_counter()
+
+    def real_pass(split, n):
+        name = f"{split}-{n}-p{args.prompt_len}-n{args.new_tokens}"
+        answers = generate_answers(
+            model, sharegpt_split(split), n, work.parent / f"self-{name}.npz",
+            args.prompt_len, args.new_tokens,
+        )  # fmt: skip
+        tag = "-".join(map(str, layers))
+        return RealPassCache(model, answers, layers, work / f"pass-{name}-t{tag}")
+
+    train_pass = real_pass("train", args.train_seqs)
+    test_pass = real_pass("test", args.test_seqs)
+    low, high = valid_anchor_range(train_pass.data, K)
+    usable = np.flatnonzero(high >= low)
+
+    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
+    maps = drafter.init()["maps"]
+    # stage: the FIRP step being trained (0-based); its map is `current`, maps[stage] stale.
+    state = {
+        "maps": maps,
+        "current": maps[0],
+        "opt_state": optimizer.init(maps[0]),
+        "stage": jnp.int32(0),
+        "stage_step": jnp.int32(0),
+        "step": jnp.int32(0),
+    }
+    manager = ocp.CheckpointManager(
+        (work / "checkpoints" / run_name(args)).resolve(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every),
+    )
+    if manager.latest_step() is not None:
+        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+        print(f"resumed at FIRP step {int(state['stage']) + 1}, update {int(state['stage_step'])}")
+    rng = np.random.default_rng([args.seed, int(state["step"])])
+    losses = {}
+    done = int(state["stage"]) * args.steps + int(state["stage_step"])
+    bar = tqdm(total=K * args.steps, initial=min(done, K * args.steps), desc="train firp")
+    while True:
+        stage = int(state["stage"])
+        if int(state["stage_step"]) >= args.steps:
+            if stage == K - 1:
+                break
+            state = {  # the map is final: the next FIRP step trains with it in place
+                **state,
+                "maps": [*state["maps"][:stage], state["current"], *state["maps"][stage + 1 :]],
+                "current": state["maps"][stage + 1],
+                "opt_state": optimizer.init(state["maps"][stage + 1]),
+                "stage": jnp.int32(stage + 1),
+                "stage_step": jnp.int32(0),
+            }
+            continue
+        step = int(state["step"])
+        pick = np.random.default_rng([args.seed, step]).choice
+        rows = np.sort(pick(usable, min(args.batch, len(usable)), replace=False))
+        anchors = sample_anchors(rng, low[rows], high[rows], args.anchors)
+        state, loss = train_step(
+            state, state["maps"][:stage], model.params, train_pass.batch(rows),
+            jnp.asarray(anchors), cfg=cfg, layers=layers[: stage + 1], optimizer=optimizer,
+        )  # fmt: skip
+        losses[stage + 1] = float(loss)
+        bar.update()
+        bar.set_postfix(firp_step=stage + 1, loss=f"{float(loss):.3f}")
+        manager.save(step + 1, args=ocp.args.StandardSave(state))
+    bar.close()
+    manager.wait_until_finished()
+    maps = [*state["maps"][: K - 1], state["current"]]
+
+    accuracy = evaluate(model, maps, layers, test_pass)
+    trees = searched_trees(accuracy)
+    report = {
+        "layers": list(layers),
+        "steps_per_firp_step": args.steps,
+        "final_loss_per_step": {k: round(v, 4) for k, v in losses.items()},
+        "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
+        "train_minutes": round((time.perf_counter() - start_time) / 60, 1),
+    }
+    settings = {"layers": list(layers), "trees": trees}
+    save_drafter(out, "firp", settings, {"maps": maps}, cfg, card(args, cfg, report))
+    print(json.dumps(report, indent=2))
+    print(f"wrote the drafter to {out}")
+    return report
+
+
+def card(args, cfg, report) -> str:
+    rows = "\n".join(
+        f"| {k + 1} | {report['layers'][k]} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
+        for k, acc in enumerate(report["test_topk_accuracy"])
+    )
+    flags = " ".join(
+        f"--{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items()
+        if v is not None and k not in ("model", "out", "work_dir")
+    )
+    return f"""# FIRP drafter for {cfg.name}
+
+- Linear maps (D x D + bias) at layers {report["layers"]} of {cfg.n_layers}; pseudo states
+  pass the remaining layers and the model's own lm_head.
+- Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
+  ShareGPT train-split conversations; {args.anchors} anchors per sequence per step.
+- Training: {args.steps} steps per FIRP step, trained in sequence, {args.batch} sequences per
+  step, AdamW lr {args.lr} cosine, KL to the base model's distributions;
+  {report["train_minutes"]} minutes end to end on the machine that trained it.
+- Final training loss per FIRP step: {report["final_loss_per_step"]}
+- Command: `jaxspec-train firp {flags}`
+
+Test-split agreement with the base model's greedy tokens ({args.test_seqs} ShareGPT test
+conversations, the model's own answers), top-1..5:
+
+| step | layer | top-1 | top-2 | top-3 | top-4 | top-5 |
+|---|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def main(argv=None) -> None:
+    train(argv)
