@@ -36,6 +36,8 @@ def test_chain_mask_literal():
     np.testing.assert_array_equal(
         chain_mask(2, 2), [[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]]
     )
+    # The "masked" ablation: step 2 does not see step 1.
+    np.testing.assert_array_equal(chain_mask(2, 2, chained=False), np.eye(4))
 
 
 def test_joint_mask_and_positions_literal():

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.data.sources import sharegpt_split
-from jaxspec.drafters.firp import FirpDrafter, pseudo_forward, real_context
+from jaxspec.drafters.firp import FirpDrafter, apply_map, pseudo_forward, real_context
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
@@ -68,6 +68,12 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=4, help="sequences per training step")
     p.add_argument("--anchors", type=int, default=64, help="anchors sampled per sequence")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--variant",
+        choices=("firp", "unchained", "early-exit"),
+        default="firp",
+        help="ablations for the reproduction study write only their report.json",
+    )
     p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -136,13 +142,25 @@ def sample_anchors(rng, low, high, count) -> np.ndarray:
     )
 
 
-def pseudo_logits(base, cfg, maps, layers, batch, anchors, first):
-    """Batch of cached passes -> pseudo logits [B,A,K,V] for K = len(maps) steps."""
+def pseudo_logits(base, cfg, maps, layers, batch, anchors, first, variant="firp"):
+    """Batch of cached passes -> pseudo logits [B,A,K,V] for K = len(maps) steps.
+
+    variant "firp"; "unchained": a step does not see its chain's earlier steps (Fig. 7);
+    "early-exit": the mapped state goes straight to the lm_head, skipping the remaining
+    layers (what FIRP's refinement is measured against, Fig. 3)."""
+    if variant == "early-exit":
+        at = [
+            apply_map(m, jnp.take_along_axis(batch["states"][:, i], anchors[:, :, None], 1))
+            for i, m in enumerate(maps)
+        ]
+        return lm_logits(base, cfg, jnp.stack(at, 2))
     Lc = batch["keys"].shape[1]
     keys = (None,) * first + tuple(batch["keys"][:, j] for j in range(Lc))
     values = (None,) * first + tuple(batch["values"][:, j] for j in range(Lc))
     states = {t: batch["states"][:, i] for i, t in enumerate(layers[: len(maps)])}
-    pseudo = pseudo_forward(base, cfg, maps, layers, keys, values, states, anchors)
+    pseudo, _ = pseudo_forward(
+        base, cfg, maps, layers, keys, values, states, anchors, variant != "unchained"
+    )
     return lm_logits(base, cfg, pseudo)
 
 
@@ -152,14 +170,15 @@ def teacher_logits(base, cfg, last, anchors, step):
     return lm_logits(base, cfg, h)
 
 
-@partial(jax.jit, static_argnames=("cfg", "layers", "optimizer"))
-def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer):
+@partial(jax.jit, static_argnames=("cfg", "layers", "optimizer", "variant"))
+def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer, variant):
     """One update of the newest map (the others frozen) -> state, loss."""
     stage = len(frozen) + 1
 
     def loss_fn(current):
         maps = [*frozen, current]
-        logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0])[:, :, -1]
+        logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0], variant)
+        logits = logits[:, :, -1]
         teacher = jax.nn.softmax(teacher_logits(base, cfg, batch["last"], anchors, stage), -1)
         return optax.softmax_cross_entropy(logits, teacher).mean()
 
@@ -170,10 +189,10 @@ def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer):
     return {**state, "step": state["step"] + 1, "stage_step": state["stage_step"] + 1}, loss
 
 
-@partial(jax.jit, static_argnames=("cfg", "layers"))
-def topk_hits(base, maps, batch, anchors, *, cfg, layers):
+@partial(jax.jit, static_argnames=("cfg", "layers", "variant"))
+def topk_hits(base, maps, batch, anchors, *, cfg, layers, variant="firp"):
     """-> [K,5] hits at top-1..5 per step against the base model's greedy tokens."""
-    logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0])  # [B,A,K,V]
+    logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0], variant)
     ranks = jax.lax.top_k(logits, 5)[1]
     hits = []
     for i in range(len(maps)):
@@ -182,7 +201,7 @@ def topk_hits(base, maps, batch, anchors, *, cfg, layers):
     return jnp.stack(hits)
 
 
-def evaluate(model, maps, layers, cache: RealPassCache, anchors_per_seq=64, seed=0):
+def evaluate(model, maps, layers, cache: RealPassCache, anchors_per_seq=64, seed=0, variant="firp"):
     """Top-1..5 accuracy [K,5] over anchors drawn once (fixed seed) in each test answer."""
     rng = np.random.default_rng(seed)
     low, high = valid_anchor_range(cache.data, len(layers))
@@ -195,7 +214,7 @@ def evaluate(model, maps, layers, cache: RealPassCache, anchors_per_seq=64, seed
         anchors = sample_anchors(rng, low[keep], high[keep], anchors_per_seq)
         hits += np.asarray(
             topk_hits(model.params, maps, cache.batch(keep), jnp.asarray(anchors),
-                      cfg=model.cfg, layers=layers)
+                      cfg=model.cfg, layers=layers, variant=variant)
         )  # fmt: skip
         count += anchors.size
     return hits / count
@@ -274,6 +293,7 @@ def train(argv) -> dict:
         state, loss = train_step(
             state, state["maps"][:stage], model.params, train_pass.batch(rows),
             jnp.asarray(anchors), cfg=cfg, layers=layers[: stage + 1], optimizer=optimizer,
+            variant=args.variant,
         )  # fmt: skip
         losses[stage + 1] = float(loss)
         bar.update()
@@ -283,7 +303,7 @@ def train(argv) -> dict:
     manager.wait_until_finished()
     maps = [*state["maps"][: K - 1], state["current"]]
 
-    accuracy = evaluate(model, maps, layers, test_pass)
+    accuracy = evaluate(model, maps, layers, test_pass, variant=args.variant)
     trees = searched_trees(accuracy)
     report = {
         "layers": list(layers),
@@ -292,8 +312,11 @@ def train(argv) -> dict:
         "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
         "train_minutes": round((time.perf_counter() - start_time) / 60, 1),
     }
-    settings = {"layers": list(layers), "trees": trees}
-    save_drafter(out, "firp", settings, {"maps": maps}, cfg, card(args, cfg, report))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps({**report, "variant": args.variant}, indent=2))
+    if args.variant == "firp":
+        settings = {"layers": list(layers), "trees": trees}
+        save_drafter(out, "firp", settings, {"maps": maps}, cfg, card(args, cfg, report))
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")
     return report

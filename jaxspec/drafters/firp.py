@@ -30,12 +30,14 @@ from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.tree import TreeSpec
 
 
-def chain_mask(n_anchors: int, n_steps: int) -> np.ndarray:
+def chain_mask(n_anchors: int, n_steps: int, chained: bool = True) -> np.ndarray:
     """[K*A, K*A] among pseudo tokens ordered step-major (row i*A + a: step i+1 of anchor
-    a): each sees the earlier steps of its own anchor's chain and itself."""
+    a): each sees the earlier steps of its own anchor's chain and itself (only itself
+    when not `chained`: the paper's "masked" ablation, Fig. 7)."""
     step = np.repeat(np.arange(n_steps), n_anchors)
     anchor = np.tile(np.arange(n_anchors), n_steps)
-    return (anchor[:, None] == anchor[None]) & (step[None] <= step[:, None])
+    earlier = step[None] <= step[:, None] if chained else step[None] == step[:, None]
+    return (anchor[:, None] == anchor[None]) & earlier
 
 
 def joint_mask(new_mask: jax.Array, anchors: jax.Array, n_steps: int) -> jax.Array:
@@ -135,27 +137,32 @@ def real_context(params, cfg: LlamaConfig, tokens, layers):
     )
 
 
-def pseudo_forward(params, cfg: LlamaConfig, maps, layers, keys, values, states, anchors):
+def pseudo_forward(
+    params, cfg: LlamaConfig, maps, layers, keys, values, states, anchors, chained=True, collect=()
+):
     """Pseudo chains of K = len(maps) steps against real context: keys/values per layer
-    [B,Kv,n,H] (None below layers[0]), states {t_i: [B,n,D]}, anchors [B,A] -> pseudo last
-    states [B,A,K,D]. Anchor a's chain sees real tokens <= a, as in a verify step."""
+    [B,Kv,n,H] (None below layers[0]), states {t_i: [B,n,D]}, anchors [B,A] -> (pseudo last
+    states [B,A,K,D], {layer count in collect: [B,m,D] the m pseudo tokens joined by then,
+    step-major}). Anchor a's chain sees real tokens <= a, as in a verify step."""
     B, A, K, D = *anchors.shape, len(maps), cfg.dim
     n = states[layers[0]].shape[1]
     context = KVCache(tuple(keys), tuple(values), jnp.zeros((B,), jnp.int32))
     context_mask = jnp.tile(jnp.arange(n)[None, None, :] <= anchors[:, :, None], (1, K, 1))
-    chain = jnp.asarray(chain_mask(A, K))
+    chain = jnp.asarray(chain_mask(A, K, chained))
     pos = pseudo_positions(jnp.broadcast_to(jnp.arange(n), (B, n)), anchors, K)
     bounds = (*layers[:K], cfg.n_layers)
     h = jnp.zeros((B, 0, D), states[layers[0]].dtype)
+    collected = {}
     for s in range(K):
         at_anchor = jnp.take_along_axis(states[layers[s]], anchors[:, :, None], axis=1)
         h = jnp.concatenate([h, apply_map(maps[s], at_anchor)], axis=1)
         m = (s + 1) * A
-        h, _, _ = run_layers(
+        h, _, got = run_layers(
             params, cfg, h, pos[:, :m], context, jnp.broadcast_to(chain[:m, :m], (B, m, m)),
-            bounds[s], bounds[s + 1], context_mask=context_mask[:, :m],
+            bounds[s], bounds[s + 1], collect, context_mask=context_mask[:, :m],
         )  # fmt: skip
-    return h.reshape(B, K, A, D).transpose(0, 2, 1, 3)
+        collected.update(got)
+    return h.reshape(B, K, A, D).transpose(0, 2, 1, 3), collected
 
 
 def training_forward(params, cfg: LlamaConfig, maps, layers, tokens, anchors):
@@ -166,5 +173,5 @@ def training_forward(params, cfg: LlamaConfig, maps, layers, tokens, anchors):
     keys/values as a read-only context, so the backward pass only covers pseudo tokens.
     """
     h_real, block, states = jax.lax.stop_gradient(real_context(params, cfg, tokens, layers))
-    pseudo = pseudo_forward(params, cfg, maps, layers, block.keys, block.values, states, anchors)
+    pseudo, _ = pseudo_forward(params, cfg, maps, layers, block.keys, block.values, states, anchors)
     return pseudo, h_real
