@@ -30,7 +30,12 @@ PEERS = ("hf",)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__)
-    p.add_argument("--methods", default="ar", help=f"comma list of {', '.join(METHODS + PEERS)}")
+    p.add_argument(
+        "--methods",
+        default="ar",
+        help=f"comma list of {', '.join(METHODS + PEERS)}; METHOD@TREE picks a tree "
+        "(e.g. medusa@searched-16,firp@searched-16: the same node budget)",
+    )
     p.add_argument(
         "--questions",
         required=True,
@@ -60,7 +65,8 @@ def select(questions, limit, per_category):
 
 
 class Runner:
-    """One method: generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
+    """One method (optionally METHOD@TREE): generate(prompt_ids, n) -> (new ids, steps,
+    seconds excluding compile)."""
 
     def __init__(self, name, model):
         self.name = name
@@ -69,7 +75,8 @@ class Runner:
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
-            self.generator = build_generator(model, name)
+            method, _, tree = name.partition("@")
+            self.generator = build_generator(model, method, tree=tree or None)
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":
@@ -148,7 +155,7 @@ def _main(argv) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in PEERS:
-            check_method(m)
+            check_method(m.partition("@")[0])
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
     questions = select(load_questions(args.questions), args.limit, args.per_category)
     if not questions:

@@ -68,11 +68,12 @@ class Drafter:
         pass
 
     def run_model(
-        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
     ):
         """h [B,T,D] embedded new tokens -> (last-layer states [B,T,D], KVBlock of the T
         tokens, collected states, per-anchor drafts [B,A,...] or None). anchors [B,A]: the
-        new tokens whose drafts may be needed (the last prompt token; every tree node)."""
+        new tokens whose drafts may be needed (the last prompt token; every tree node);
+        depth: how many draft depths the tree uses."""
         h, block, states = run_layers(params, cfg, h, positions, cache, new_mask, collect=collect)
         return h, block, states, None
 
@@ -120,7 +121,7 @@ def prefill_and_draft(
     last = (lengths - 1)[:, None]  # [B,1]
     _, block, states, drafted = drafter.run_model(
         params, drafter_params, cfg, embed(params, tokens), positions, None,
-        causal_mask(B, P), last, collect,
+        causal_mask(B, P), last, collect, tree.max_depth,
     )  # fmt: skip
     h_at = {i: jnp.take_along_axis(h, last[:, :, None], axis=1)[:, 0] for i, h in states.items()}
     last_logits = lm_logits(params, cfg, h_at[cfg.n_layers][:, None])[:, 0]
@@ -159,7 +160,7 @@ def speculative_step(
     every_node = jnp.broadcast_to(jnp.arange(tree.n_nodes), (B, tree.n_nodes))
     _, block, states, drafted = drafter.run_model(
         params, drafter_params, cfg, embed(params, tokens), positions, cache, mask, every_node,
-        collect,
+        collect, tree.max_depth,
     )  # fmt: skip
     logits = lm_logits(params, cfg, states[cfg.n_layers])  # [B,T,V]
     keys = position_keys(key, cache.lengths)

@@ -78,13 +78,16 @@ def test_random_drafter_is_lossless_on_the_default_model(models):
     assert spec.generate(ids, 24).token_ids == ar
 
 
-def test_shipped_medusa_is_lossless_on_the_default_model(models):
+@pytest.mark.parametrize(
+    "method, tree", [("medusa", None), ("firp", None), ("firp", "searched-16")]
+)
+def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree):
     from infer.common import build_generator
     from jaxspec.text import encode_prompt
 
     ours, _ = models
     ids = encode_prompt(ours.tokenizer, "Write a short poem about the sea.")
     ar = build_generator(ours, "ar").generate(ids, 48)
-    medusa = build_generator(ours, "medusa").generate(ids, 48)  # shipped drafter, its tree
-    assert medusa.token_ids == ar.token_ids
-    assert medusa.steps < ar.steps  # drafts were accepted
+    spec = build_generator(ours, method, tree=tree).generate(ids, 48)  # shipped drafter
+    assert spec.token_ids == ar.token_ids
+    assert spec.steps < ar.steps  # drafts were accepted

@@ -94,16 +94,16 @@ class FirpDrafter(Drafter):
             )
 
     def run_model(
-        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
     ):
         """The forward with pseudo chains joining at layers t_i -> (real last states
         [B,T,D], the real tokens' KVBlock, collected real states, pseudo last states
-        [B,A,K,D])."""
+        [B,A,K,D]). Only the K = min(steps, depth) steps the tree uses are computed."""
         B, T, D = h.shape
-        A, K = anchors.shape[1], self.n_steps
+        A, K = anchors.shape[1], min(self.n_steps, depth)
         mask = joint_mask(new_mask, anchors, K)
         pos = jnp.concatenate([positions, pseudo_positions(positions, anchors, K)], axis=1)
-        bounds = (0, *self.layers, cfg.n_layers)
+        bounds = (0, *self.layers[:K], cfg.n_layers)
         keys, values, states = [], [], {}
         for s in range(K + 1):
             n = T + s * A  # real tokens and the pseudo steps joined so far
