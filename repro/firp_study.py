@@ -133,9 +133,9 @@ def part_accuracy(args, model) -> dict:
 
 
 @partial(jax.jit, static_argnames=("cfg", "layers"))
-def cosine_by_layer(base, maps, batch, anchors, *, cfg, layers):
-    """-> [K, L+1] mean cosine(pseudo step i, real token anchor+i) after each layer count
-    (NaN below the step's layer)."""
+def pseudo_by_layer(base, maps, batch, anchors, *, cfg, layers):
+    """-> {layer count: [B,m,D] pseudo states (the m joined by then, step-major)} from
+    the first map's layer to the last layer."""
     Lc = batch["keys"].shape[1]
     first = layers[0]
     keys = (None,) * first + tuple(batch["keys"][:, j] for j in range(Lc))
@@ -159,13 +159,14 @@ def part_cosine(args, model) -> dict:
     low, high = firp_train.valid_anchor_range(cache.data, K)
     sums, counts = np.zeros((K, L + 1)), np.zeros((K, L + 1))
     layer_counts = tuple(range(firp.layers[0], L + 1))
+    real_pass = jax.jit(partial(real_context, cfg=model.cfg, layers=layer_counts))
     for row in np.flatnonzero(high >= low)[:16]:
         rows = np.array([row])
         anchors = jnp.asarray(firp_train.sample_anchors(rng, low[rows], high[rows], A))
         tokens = jnp.asarray(cache.data["tokens"][rows])
-        _, block, real = real_context(model.params, model.cfg, tokens, layer_counts)
+        _, _, real = real_pass(model.params, tokens=tokens)
         batch = cache.batch(rows)
-        pseudo = cosine_by_layer(
+        pseudo = pseudo_by_layer(
             model.params, params["maps"], batch, anchors, cfg=model.cfg, layers=firp.layers
         )
         for count, h in pseudo.items():
