@@ -45,11 +45,12 @@ def check_method(method: str) -> None:
 
 
 def default_tree(settings: dict) -> str:
-    """On CPU the tree measured fastest for the shipped drafter (BENCHMARKS.md: a 1-deep
-    chain; larger trees cost more than their extra accepted tokens gain); on accelerators
-    the drafter's own 64-node searched tree when it ships one."""
+    """On CPU the tree measured fastest for the drafter (its `cpu_tree` setting, from a
+    BENCHMARKS.md sweep; else a 1-deep chain: larger trees cost more than their extra
+    accepted tokens gain there); on accelerators the drafter's own 64-node searched tree
+    when it ships one."""
     if jax.default_backend() == "cpu":
-        return CPU_TREE
+        return settings.get("cpu_tree", CPU_TREE)
     return "searched-64" if "searched-64" in settings.get("trees", {}) else "gpu-63"
 
 
