@@ -13,8 +13,10 @@ Each part writes `<out>/<part>.json` and `<out>/<part>.png`:
 - trees (Table 3): mean accepted tokens per step at 16/32/64-node trees searched from each
   drafter's accuracy, FIRP vs Medusa, generating greedily on Spec-Bench questions.
 
-Ablation maps are trained here with `jaxspec-train firp` at small budgets (--steps); the
-numbers say how they were made.
+Ablation maps are trained here with `jaxspec-train firp` at a small budget (--steps per
+map, default 150, vs 300 for the shipped drafter) on the same data, all sharing one cached
+real pass over the --sweep layers; compare ablations with each other, not with the shipped
+drafter.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("part", choices=("accuracy", "cosine", "layers", "masked", "trees"))
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--steps", type=int, default=150, help="updates per map for ablations")
-    p.add_argument("--train-seqs", type=int, default=200, help="for layer/mask ablations")
+    p.add_argument("--train-seqs", type=int, default=800, help="as the shipped drafter")
     p.add_argument("--test-seqs", type=int, default=40)
     p.add_argument("--sweep", default="5,10,15,20,25", help="step-1 layers (layers part)")
     p.add_argument("--questions", help="Spec-Bench .jsonl (trees part)")
@@ -55,15 +57,16 @@ def work_dir(model) -> Path:
     return jaxspec_home() / "train" / model.cfg.name / "firp"
 
 
-def train_variant(args, layers, variant, tag, train_seqs=None) -> dict:
+def train_variant(args, layers, variant, tag, steps=None) -> dict:
     """Trains maps at `layers` (a small ablation run) -> its report."""
+    steps = steps or args.steps
     out = work_dir_for_ablation(tag)
     flags = ["--layers", ",".join(map(str, layers)), "--variant", variant, "--out", str(out),
-             "--steps", str(args.steps), "--train-seqs", str(train_seqs or args.train_seqs),
-             "--test-seqs", str(args.test_seqs)]  # fmt: skip
+             "--steps", str(steps), "--train-seqs", str(args.train_seqs),
+             "--test-seqs", str(args.test_seqs), "--pass-layers", args.sweep]  # fmt: skip
     if (out / "report.json").is_file():
         report = json.loads((out / "report.json").read_text())
-        if report.get("steps_per_firp_step") == args.steps:
+        if report.get("steps_per_firp_step") == steps:
             return report
     firp_train.train(flags)
     return json.loads((out / "report.json").read_text())
@@ -122,8 +125,8 @@ def part_accuracy(args, model) -> dict:
     result = {
         "firp": firp_train.evaluate(model, params["maps"], firp.layers, cache).tolist(),
         "medusa": medusa_accuracy(model, cache, firp.n_steps).tolist(),
-        # Same data and cached pass as the shipped drafter (800 sequences).
-        "early-exit": train_variant(args, firp.layers, "early-exit", "early-exit", 800)[
+        # The shipped drafter's budget: 300 updates per map.
+        "early-exit": train_variant(args, firp.layers, "early-exit", "early-exit", 300)[
             "test_topk_accuracy"
         ],
         "layers": list(firp.layers),
@@ -136,15 +139,11 @@ def part_accuracy(args, model) -> dict:
 def pseudo_by_layer(base, maps, batch, anchors, *, cfg, layers):
     """-> {layer count: [B,m,D] pseudo states (the m joined by then, step-major)} from
     the first map's layer to the last layer."""
-    Lc = batch["keys"].shape[1]
-    first = layers[0]
-    keys = (None,) * first + tuple(batch["keys"][:, j] for j in range(Lc))
-    values = (None,) * first + tuple(batch["values"][:, j] for j in range(Lc))
-    states = {t: batch["states"][:, i] for i, t in enumerate(layers)}
-    counts = tuple(range(first, cfg.n_layers + 1))
+    counts = tuple(range(layers[0], cfg.n_layers + 1))
     _, collected = pseudo_forward(
-        base, cfg, maps, layers, keys, values, states, anchors, collect=counts
-    )
+        base, cfg, maps, layers, batch["keys"], batch["values"], batch["states"], anchors,
+        collect=counts,
+    )  # fmt: skip
     return collected
 
 
@@ -165,7 +164,7 @@ def part_cosine(args, model) -> dict:
         anchors = jnp.asarray(firp_train.sample_anchors(rng, low[rows], high[rows], A))
         tokens = jnp.asarray(cache.data["tokens"][rows])
         _, _, real = real_pass(model.params, tokens=tokens)
-        batch = cache.batch(rows)
+        batch = cache.batch(rows, firp.layers)
         pseudo = pseudo_by_layer(
             model.params, params["maps"], batch, anchors, cfg=model.cfg, layers=firp.layers
         )
@@ -202,7 +201,7 @@ def part_layers(args, model) -> dict:
     step1 = {t: train_variant(args, (t,), "firp", f"step1-{t}")["test_topk_accuracy"][0]
              for t in sweep}  # fmt: skip
     first = 15 if 15 in sweep else sweep[len(sweep) // 2]
-    above = [t for t in range(first + 2, model.cfg.n_layers + 1, 3)]
+    above = [t for t in sweep if t > first]  # the cached pass holds the sweep layers
     step2 = {t: train_variant(args, (first, t), "firp", f"step2-{first}-{t}")[
         "test_topk_accuracy"][1] for t in above}  # fmt: skip
     result = {"step1": step1, "step2_first_layer": first, "step2": step2}

@@ -55,6 +55,10 @@ def parse_args(argv):
         "--work-dir", type=Path, help="data, cached passes, checkpoints (default: $JAXSPEC_HOME)"
     )
     p.add_argument("--layers", help="comma-separated t_1<...<t_K (default: about L/2, 2L/3, 5L/6)")
+    p.add_argument(
+        "--pass-layers",
+        help="cache the real pass for these layers (a superset of --layers: ablations share it)",
+    )
     p.add_argument("--train-seqs", type=int, default=400)
     p.add_argument("--test-seqs", type=int, default=40)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -91,7 +95,7 @@ def parse_layers(text: str | None, n_layers: int) -> tuple[int, ...]:
 class RealPassCache:
     """The real tokens' pass for every sequence, as float16 .npy memmaps in `folder`:
     keys/values [N,L-t_1,Kv,n,H] (layers t_1..L), states [N,K,n,D], last [N,n,D].
-    Written batch by batch; `done.json` marks it complete (a rerun finishes a partial one)."""
+    Written batch by batch; `progress.json` counts the rows done (a rerun finishes the rest)."""
 
     def __init__(self, model, data: dict, layers, folder: Path, batch: int = 4):
         self.layers, self.first = layers, layers[0]
@@ -124,8 +128,18 @@ class RealPassCache:
                 array.flush()
             progress.write_text(json.dumps({"rows": rows.stop}))
 
-    def batch(self, rows: np.ndarray) -> dict:
-        return {name: jnp.asarray(array[rows], jnp.float32) for name, array in self.arrays.items()}
+    def batch(self, rows: np.ndarray, layers) -> dict:
+        """Rows as model inputs: keys/values tuples over all layers (None below the
+        cached ones), states {t: [B,n,D]} for `layers` (a subset of the cached ones)."""
+        if not set(layers) <= set(self.layers):
+            raise JaxspecError(f"the cached pass holds layers {self.layers}, not all of {layers}")
+        get = {name: jnp.asarray(a[rows], jnp.float32) for name, a in self.arrays.items()}
+        keys, values = (
+            (None,) * self.first + tuple(get[name][:, j] for j in range(get[name].shape[1]))
+            for name in ("keys", "values")
+        )
+        states = {t: get["states"][:, self.layers.index(t)] for t in layers}
+        return {"keys": keys, "values": values, "states": states, "last": get["last"]}
 
 
 def valid_anchor_range(data: dict, K: int) -> tuple[np.ndarray, np.ndarray]:
@@ -142,25 +156,23 @@ def sample_anchors(rng, low, high, count) -> np.ndarray:
     )
 
 
-def pseudo_logits(base, cfg, maps, layers, batch, anchors, first, variant="firp"):
+def pseudo_logits(base, cfg, maps, layers, batch, anchors, variant="firp"):
     """Batch of cached passes -> pseudo logits [B,A,K,V] for K = len(maps) steps.
 
     variant "firp"; "unchained": a step does not see its chain's earlier steps (Fig. 7);
     "early-exit": the mapped state goes straight to the lm_head, skipping the remaining
     layers (what FIRP's refinement is measured against, Fig. 3)."""
+    states = batch["states"]
     if variant == "early-exit":
         at = [
-            apply_map(m, jnp.take_along_axis(batch["states"][:, i], anchors[:, :, None], 1))
-            for i, m in enumerate(maps)
+            apply_map(m, jnp.take_along_axis(states[t], anchors[:, :, None], 1))
+            for m, t in zip(maps, layers, strict=False)
         ]
         return lm_logits(base, cfg, jnp.stack(at, 2))
-    Lc = batch["keys"].shape[1]
-    keys = (None,) * first + tuple(batch["keys"][:, j] for j in range(Lc))
-    values = (None,) * first + tuple(batch["values"][:, j] for j in range(Lc))
-    states = {t: batch["states"][:, i] for i, t in enumerate(layers[: len(maps)])}
     pseudo, _ = pseudo_forward(
-        base, cfg, maps, layers, keys, values, states, anchors, variant != "unchained"
-    )
+        base, cfg, maps, layers, batch["keys"], batch["values"], states, anchors,
+        variant != "unchained",
+    )  # fmt: skip
     return lm_logits(base, cfg, pseudo)
 
 
@@ -177,7 +189,7 @@ def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer, v
 
     def loss_fn(current):
         maps = [*frozen, current]
-        logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0], variant)
+        logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, variant)
         logits = logits[:, :, -1]
         teacher = jax.nn.softmax(teacher_logits(base, cfg, batch["last"], anchors, stage), -1)
         return optax.softmax_cross_entropy(logits, teacher).mean()
@@ -192,7 +204,7 @@ def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer, v
 @partial(jax.jit, static_argnames=("cfg", "layers", "variant"))
 def topk_hits(base, maps, batch, anchors, *, cfg, layers, variant="firp"):
     """-> [K,5] hits at top-1..5 per step against the base model's greedy tokens."""
-    logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, layers[0], variant)
+    logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, variant)
     ranks = jax.lax.top_k(logits, 5)[1]
     hits = []
     for i in range(len(maps)):
@@ -213,7 +225,7 @@ def evaluate(model, maps, layers, cache: RealPassCache, anchors_per_seq=64, seed
             continue
         anchors = sample_anchors(rng, low[keep], high[keep], anchors_per_seq)
         hits += np.asarray(
-            topk_hits(model.params, maps, cache.batch(keep), jnp.asarray(anchors),
+            topk_hits(model.params, maps, cache.batch(keep, layers), jnp.asarray(anchors),
                       cfg=model.cfg, layers=layers, variant=variant)
         )  # fmt: skip
         count += anchors.size
@@ -231,6 +243,9 @@ def train(argv) -> dict:
     cfg = model.cfg
     layers = parse_layers(args.layers, cfg.n_layers)
     drafter = FirpDrafter(cfg, layers)  # validates the layers
+    pass_layers = parse_layers(args.pass_layers, cfg.n_layers) if args.pass_layers else layers
+    if not set(layers) <= set(pass_layers):
+        raise JaxspecError(f"--pass-layers {pass_layers} must include --layers {layers}")
     K = drafter.n_steps
     work = args.work_dir or jaxspec_home() / "train" / cfg.name / "firp"
     out = args.out or REPO_DRAFTERS / cfg.name / "firp"
@@ -242,8 +257,8 @@ def train(argv) -> dict:
             model, sharegpt_split(split), n, work.parent / f"self-{name}.npz",
             args.prompt_len, args.new_tokens,
         )  # fmt: skip
-        tag = "-".join(map(str, layers))
-        return RealPassCache(model, answers, layers, work / f"pass-{name}-t{tag}")
+        tag = "-".join(map(str, pass_layers))
+        return RealPassCache(model, answers, pass_layers, work / f"pass-{name}-t{tag}")
 
     train_pass = real_pass("train", args.train_seqs)
     test_pass = real_pass("test", args.test_seqs)
@@ -291,7 +306,7 @@ def train(argv) -> dict:
         rows = np.sort(pick(usable, min(args.batch, len(usable)), replace=False))
         anchors = sample_anchors(rng, low[rows], high[rows], args.anchors)
         state, loss = train_step(
-            state, state["maps"][:stage], model.params, train_pass.batch(rows),
+            state, state["maps"][:stage], model.params, train_pass.batch(rows, layers),
             jnp.asarray(anchors), cfg=cfg, layers=layers[: stage + 1], optimizer=optimizer,
             variant=args.variant,
         )  # fmt: skip
