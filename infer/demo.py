@@ -11,7 +11,7 @@ from jaxspec.cli import run_main
 from jaxspec.text import TextStream, encode_prompt
 
 DEFAULT_PROMPT = "Write a short poem about the sea."
-PREFERENCE = ("medusa",)  # best first, among methods whose drafter ships for the model
+PREFERENCE = ("firp", "medusa")  # best first, among methods whose drafter ships for the model
 
 
 def _main(argv) -> None:

@@ -57,13 +57,14 @@ def work_dir(model) -> Path:
     return jaxspec_home() / "train" / model.cfg.name / "firp"
 
 
-def train_variant(args, layers, variant, tag, steps=None) -> dict:
+def train_variant(args, layers, variant, tag, steps=None, pass_layers=None) -> dict:
     """Trains maps at `layers` (a small ablation run) -> its report."""
     steps = steps or args.steps
+    pass_layers = pass_layers or args.sweep
     out = work_dir_for_ablation(tag)
     flags = ["--layers", ",".join(map(str, layers)), "--variant", variant, "--out", str(out),
              "--steps", str(steps), "--train-seqs", str(args.train_seqs),
-             "--test-seqs", str(args.test_seqs), "--pass-layers", args.sweep]  # fmt: skip
+             "--test-seqs", str(args.test_seqs), "--pass-layers", pass_layers]  # fmt: skip
     if (out / "report.json").is_file():
         report = json.loads((out / "report.json").read_text())
         if report.get("steps_per_firp_step") == steps:
@@ -125,10 +126,10 @@ def part_accuracy(args, model) -> dict:
     result = {
         "firp": firp_train.evaluate(model, params["maps"], firp.layers, cache).tolist(),
         "medusa": medusa_accuracy(model, cache, firp.n_steps).tolist(),
-        # The shipped drafter's budget: 300 updates per map.
-        "early-exit": train_variant(args, firp.layers, "early-exit", "early-exit", 300)[
-            "test_topk_accuracy"
-        ],
+        # The shipped drafter's budget (300 updates per map) and cached pass.
+        "early-exit": train_variant(
+            args, firp.layers, "early-exit", "early-exit", 300, ",".join(map(str, firp.layers))
+        )["test_topk_accuracy"],
         "layers": list(firp.layers),
     }
     plot_topk(result, ["firp", "medusa", "early-exit"], args.out / "accuracy.png")
