@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from functools import partial
@@ -26,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from infer.common import load_model
@@ -37,6 +35,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
+from train.checkpoints import resume, save
 from train.selfdata import generate_answers
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -232,11 +231,6 @@ def evaluate(model, maps, layers, cache: RealPassCache, anchors_per_seq=64, seed
     return hits / count
 
 
-def run_name(args) -> str:
-    flags = {k: v for k, v in vars(args).items() if k not in ("save_every", "out", "steps")}
-    return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
-
-
 def train(argv) -> dict:
     args = parse_args(argv)
     model = load_model(args.model)
@@ -276,12 +270,8 @@ def train(argv) -> dict:
         "stage_step": jnp.int32(0),
         "step": jnp.int32(0),
     }
-    manager = ocp.CheckpointManager(
-        (work / "checkpoints" / run_name(args)).resolve(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every),
-    )
-    if manager.latest_step() is not None:
-        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+    manager, state, resumed = resume(work, args, state)
+    if resumed:
         print(f"resumed at FIRP step {int(state['stage']) + 1}, update {int(state['stage_step'])}")
     rng = np.random.default_rng([args.seed, int(state["step"])])
     losses = {}
@@ -313,7 +303,7 @@ def train(argv) -> dict:
         losses[stage + 1] = float(loss)
         bar.update()
         bar.set_postfix(firp_step=stage + 1, loss=f"{float(loss):.3f}")
-        manager.save(step + 1, args=ocp.args.StandardSave(state))
+        save(manager, step + 1, state)
     bar.close()
     manager.wait_until_finished()
     maps = [*state["maps"][: K - 1], state["current"]]

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from functools import partial
@@ -27,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 from infer.common import load_model
@@ -37,6 +35,7 @@ from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
+from train.checkpoints import resume, save
 from train.features import extract, extract_sequences
 from train.selfdata import generate_answers
 
@@ -163,12 +162,8 @@ def train(argv) -> dict:
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
     params = drafter.init(model.params)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    manager = ocp.CheckpointManager(
-        (work / "checkpoints" / run_name(args)).resolve(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every),
-    )
-    if manager.latest_step() is not None:
-        state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
+    manager, state, resumed = resume(work, args, state)
+    if resumed:
         print(f"resumed from step {int(state['step'])}")
     weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
     rng = np.random.default_rng(args.seed)
@@ -190,7 +185,7 @@ def train(argv) -> dict:
         )
         if (step + 1) % 10 == 0:
             bar.set_postfix(loss=" ".join(f"{x:.2f}" for x in np.asarray(losses)))
-        manager.save(step + 1, args=ocp.args.StandardSave(state))
+        save(manager, step + 1, state)
     manager.wait_until_finished()
 
     accuracy = evaluate(drafter, model.params, state["params"], test_f, args.targets)
@@ -207,13 +202,6 @@ def train(argv) -> dict:
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")
     return report
-
-
-def run_name(args) -> str:
-    """Checkpoints live per training setting: a rerun with the same flags resumes, a run
-    with different ones starts fresh (more --steps continue the same run)."""
-    flags = {k: v for k, v in vars(args).items() if k not in ("save_every", "out", "steps")}
-    return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
 
 
 def command_flags(args) -> str:

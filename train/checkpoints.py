@@ -1,0 +1,36 @@
+"""Resumable orbax checkpoints shared by the drafter trainers."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+
+
+def run_name(args) -> str:
+    """Checkpoints live per training setting: a rerun with the same flags resumes, a run
+    with different ones starts fresh (more --steps continue the same run)."""
+    flags = {k: v for k, v in vars(args).items() if k not in ("save_every", "out", "steps")}
+    return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
+
+
+def resume(work: Path, args, state):
+    """-> (manager saving every --save-every steps, the latest saved state or `state`,
+    whether it resumed)."""
+    manager = ocp.CheckpointManager(
+        (work / "checkpoints" / run_name(args)).resolve(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=args.save_every),
+    )
+    if manager.latest_step() is None:
+        return manager, state, False
+    return (
+        manager,
+        manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state)),
+        True,
+    )
+
+
+def save(manager, step: int, state) -> None:
+    """Save if `step` is on the manager's interval (orbax decides)."""
+    manager.save(step, args=ocp.args.StandardSave(state))
