@@ -101,18 +101,11 @@ def medusa_hits(base, params, last, anchors, *, drafter):
 
 
 def medusa_accuracy(model, cache, n_steps) -> np.ndarray:
-    """Medusa heads on the same test anchors as FIRP's evaluation (same seed)."""
+    """Medusa heads on the same test anchors as FIRP's evaluation."""
     drafter, params = shipped(model, "medusa")
-    rng = np.random.default_rng(0)
-    low, high = firp_train.valid_anchor_range(cache.data, n_steps)
     hits, count = 0.0, 0
-    for start in range(0, len(low), 4):
-        rows = np.arange(start, min(start + 4, len(low)))
-        keep = rows[high[rows] >= low[rows]]
-        if not len(keep):
-            continue
-        anchors = firp_train.sample_anchors(rng, low[keep], high[keep], 64)
-        last = jnp.asarray(cache.arrays["last"][keep], jnp.float32)
+    for rows, anchors in firp_train.eval_anchors(cache, n_steps):
+        last = jnp.asarray(cache.arrays["last"][rows], jnp.float32)
         hits = hits + np.asarray(
             medusa_hits(model.params, params, last, jnp.asarray(anchors), drafter=drafter)
         )

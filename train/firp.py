@@ -212,19 +212,24 @@ def topk_hits(base, maps, batch, anchors, *, cfg, layers, variant="firp"):
     return jnp.stack(hits)
 
 
-def evaluate(model, maps, layers, cache: RealPassCache, anchors_per_seq=64, seed=0, variant="firp"):
-    """Top-1..5 accuracy [K,5] over anchors drawn once (fixed seed) in each test answer."""
+def eval_anchors(cache: RealPassCache, n_steps: int, per_seq: int = 64, seed: int = 0):
+    """Yields (rows, anchors [len(rows), per_seq]) over the test answers, 4 rows at a time,
+    drawn with a fixed seed: every drafter evaluated on them sees the same anchors."""
     rng = np.random.default_rng(seed)
-    low, high = valid_anchor_range(cache.data, len(layers))
-    hits, count = np.zeros((len(layers), 5)), 0
+    low, high = valid_anchor_range(cache.data, n_steps)
     for start in range(0, len(low), 4):
         rows = np.arange(start, min(start + 4, len(low)))
         keep = rows[high[rows] >= low[rows]]
-        if not len(keep):
-            continue
-        anchors = sample_anchors(rng, low[keep], high[keep], anchors_per_seq)
+        if len(keep):
+            yield keep, sample_anchors(rng, low[keep], high[keep], per_seq)
+
+
+def evaluate(model, maps, layers, cache: RealPassCache, variant="firp"):
+    """Top-1..5 accuracy [K,5] per step on the test anchors."""
+    hits, count = np.zeros((len(layers), 5)), 0
+    for rows, anchors in eval_anchors(cache, len(layers)):
         hits += np.asarray(
-            topk_hits(model.params, maps, cache.batch(keep, layers), jnp.asarray(anchors),
+            topk_hits(model.params, maps, cache.batch(rows, layers), jnp.asarray(anchors),
                       cfg=model.cfg, layers=layers, variant=variant)
         )  # fmt: skip
         count += anchors.size
