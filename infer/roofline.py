@@ -36,8 +36,8 @@ def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype) -> dict:
 
     def run(n, cache, token):  # plain AR: the empty tree
         for _ in range(n):
-            _, one, token, _, block = speculative_step(
-                params, None, cache, token, no_candidates, key, **static
+            _, one, token, _, block, _ = speculative_step(
+                params, None, cache, token, no_candidates, key, None, **static
             )
             cache = commit(cache, block, one)
         jax.block_until_ready(token)

@@ -34,6 +34,18 @@ from jaxspec.verify import (
 
 
 @dataclasses.dataclass(frozen=True)
+class Entered:
+    """The tokens that entered the model's cache this round (prefill: the prompt; a verify
+    step: the root and the accepted drafts): tokens [B,M] at positions start + 0..M-1,
+    the first `count` [B] valid, and their states {layer count: [B,M,D]}."""
+
+    tokens: jax.Array
+    start: jax.Array
+    count: jax.Array
+    hidden: dict[int, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
 class DraftInputs:
     """What a drafter sees after the model ran (prefill or a verify step), per row:
 
@@ -41,7 +53,8 @@ class DraftInputs:
     prediction is `current`; current [B]: the newest token (next step's root), not yet in
     the cache; position [B]: its position; emitted [B,E] / n_emitted [B]: tokens this
     step produced (E = max depth + 1; the last valid one is `current`); drafted: what the
-    drafter's own `run_model` computed for that node (FIRP: pseudo states), else None.
+    drafter's own `run_model` computed for that node (FIRP: pseudo states), else None;
+    entered: what joined the cache this round; state: the drafter's own (see Drafter).
     """
 
     hidden: dict[int, jax.Array]
@@ -50,6 +63,8 @@ class DraftInputs:
     emitted: jax.Array
     n_emitted: jax.Array
     drafted: jax.Array | None = None
+    entered: Entered | None = None
+    state: object = None
 
 
 class Drafter:
@@ -60,6 +75,10 @@ class Drafter:
     `run_model(...)`: the model's forward; drafters that draft inside it (FIRP) override it.
     `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
     the token for every non-root tree node.
+    Drafters with their own memory across steps (Chimera's encoder cache) override
+    `init_state` and `advance`: the state is created once per generation, updated from
+    `inputs.entered` before every `propose` (which reads it as `inputs.state`), and donated
+    between steps so its buffers are updated in place.
     """
 
     collect: tuple[int, ...] = ()
@@ -79,6 +98,13 @@ class Drafter:
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
         raise NotImplementedError
+
+    def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype):
+        return None
+
+    def advance(self, params, drafter_params, inputs: DraftInputs):
+        """-> the drafter's state after `inputs.entered` joined the context."""
+        return inputs.state
 
 
 def tree_candidates(logits: jax.Array, tree: TreeSpec) -> jax.Array:
@@ -102,19 +128,21 @@ def _collected_layers(drafter: Drafter, cfg: LlamaConfig) -> tuple[int, ...]:
     return tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
 
 
-def _draft(
-    drafter, params, drafter_params, tree, h_at, current, position, emitted, n, drafted, key
-):
-    inputs = DraftInputs(h_at, current, position, emitted, n, drafted)
-    return drafter.propose(params, drafter_params, tree, inputs, jax.random.fold_in(key, 7))
+def _draft(drafter, params, drafter_params, tree, inputs: DraftInputs, key):
+    """-> (candidates [B,T-1], the drafter's new state)."""
+    state = drafter.advance(params, drafter_params, inputs)
+    inputs = dataclasses.replace(inputs, state=state)
+    return drafter.propose(params, drafter_params, tree, inputs, jax.random.fold_in(key, 7)), state
 
 
-@partial(jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"))
+@partial(
+    jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"), donate_argnames=("state",)
+)
 def prefill_and_draft(
-    params, drafter_params, tokens, lengths, key, *, cfg, sampling, tree, drafter
+    params, drafter_params, tokens, lengths, key, state, *, cfg, sampling, tree, drafter
 ):
     """tokens [B,P] right-padded, lengths [B] -> first token [B], candidates [B,T-1], the
-    prompt's KVBlock (commit `lengths` of it)."""
+    prompt's KVBlock (commit `lengths` of it), the drafter's state."""
     B, P = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(P), (B, P))
     collect = _collected_layers(drafter, cfg)
@@ -123,19 +151,21 @@ def prefill_and_draft(
         params, drafter_params, cfg, embed(params, tokens), positions, None,
         causal_mask(B, P), last, collect, tree.max_depth,
     )  # fmt: skip
+    entered = Entered(tokens, jnp.zeros((B,), jnp.int32), lengths, states)
     h_at = {i: jnp.take_along_axis(h, last[:, :, None], axis=1)[:, 0] for i, h in states.items()}
     last_logits = lm_logits(params, cfg, h_at[cfg.n_layers][:, None])[:, 0]
     current = select_tokens(last_logits, position_keys(key, lengths), sampling)
     emitted = jnp.zeros((B, tree.max_depth + 1), jnp.int32).at[:, 0].set(current)
     one = jnp.ones((B,), jnp.int32)
     drafted = None if drafted is None else drafted[:, 0]
-    candidates = _draft(
-        drafter, params, drafter_params, tree, h_at, current, lengths, emitted, one, drafted, key
-    )
-    return current, candidates, block
+    inputs = DraftInputs(h_at, current, lengths, emitted, one, drafted, entered, state)
+    candidates, state = _draft(drafter, params, drafter_params, tree, inputs, key)
+    return current, candidates, block, state
 
 
-@partial(jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"))
+@partial(
+    jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"), donate_argnames=("state",)
+)
 def speculative_step(
     params,
     drafter_params,
@@ -143,6 +173,7 @@ def speculative_step(
     current,
     candidates,
     key,
+    state,
     *,
     cfg,
     sampling,
@@ -150,7 +181,8 @@ def speculative_step(
     drafter,
 ):
     """One verify step -> emitted [B,D+1] (valid up to n_emitted [B]), the new root token
-    [B], next candidates [B,T-1], the accepted path's KVBlock (commit n_emitted of it)."""
+    [B], next candidates [B,T-1], the accepted path's KVBlock (commit n_emitted of it), the
+    drafter's state."""
     B = current.shape[0]
     tokens = tree_tokens(current, candidates)  # [B,T]
     depth = jnp.asarray(tree.depth)
@@ -180,12 +212,14 @@ def speculative_step(
     at_last = lambda x: jnp.take_along_axis(x, last.reshape((B,) + (1,) * (x.ndim - 1)), 1)[:, 0]  # noqa: E731
     h_at = {i: at_last(h) for i, h in states.items()}
     drafted = None if drafted is None else at_last(drafted)
+    on_path = lambda x: jnp.take_along_axis(x, nodes[:, :, None], axis=1)  # noqa: E731
+    entered = Entered(
+        path_tokens, cache.lengths, n_emitted, {i: on_path(h) for i, h in states.items()}
+    )
     position = cache.lengths + n_emitted
-    candidates = _draft(
-        drafter, params, drafter_params, tree, h_at, bonus, position, emitted, n_emitted, drafted,
-        key,
-    )  # fmt: skip
-    return emitted, n_emitted, bonus, candidates, gather_path(block, nodes)
+    inputs = DraftInputs(h_at, bonus, position, emitted, n_emitted, drafted, entered, state)
+    candidates, state = _draft(drafter, params, drafter_params, tree, inputs, key)
+    return emitted, n_emitted, bonus, candidates, gather_path(block, nodes), state
 
 
 class SpeculativeGenerator:
@@ -241,12 +275,12 @@ class SpeculativeGenerator:
         start = time.perf_counter()
         static = self._static
         prefill = prefill_and_draft.lower(*pre_args, **static).compile()
-        first, candidates, prompt_block = jax.eval_shape(
+        first, candidates, prompt_block, state = jax.eval_shape(
             partial(prefill_and_draft, **static), *pre_args
         )
-        step_args = (self.params, self.drafter_params, cache, first, candidates, pre_args[-1])
-        step = speculative_step.lower(*step_args, **static).compile()
-        *_, path_block = jax.eval_shape(partial(speculative_step, **static), *step_args)
+        step_args = (self.params, self.drafter_params, cache, first, candidates, pre_args[4])
+        step = speculative_step.lower(*step_args, state, **static).compile()
+        *_, path_block, _ = jax.eval_shape(partial(speculative_step, **static), *step_args, state)
         lengths = pre_args[3]
         commit_prompt = commit.lower(cache, prompt_block, lengths).compile()
         commit_path = commit.lower(cache, path_block, lengths).compile()
@@ -292,7 +326,8 @@ class SpeculativeGenerator:
         lengths = jnp.array([len(p) for p in prompts], jnp.int32)
         dp = self.drafter_params
 
-        pre_args = (self.params, dp, tokens, lengths, key)
+        state = self.drafter.init_state(self.cfg, B, S, jax.tree.leaves(self.params)[0].dtype)
+        pre_args = (self.params, dp, tokens, lengths, key, state)
         (run_prefill, run_step, commit_prompt, commit_path), compile_s = self._programs(
             pre_args, cache
         )
@@ -310,15 +345,15 @@ class SpeculativeGenerator:
                 on_tokens(row, new)
 
         start = time.perf_counter()
-        current, candidates, block = run_prefill(*pre_args)
+        current, candidates, block, state = run_prefill(*pre_args)
         cache = commit_prompt(cache, block, lengths)
         for row, token in enumerate(np.asarray(current).tolist()):
             take(row, [token])
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         while not done.all():
-            emitted, n, current, candidates, block = run_step(
-                self.params, dp, cache, current, candidates, key
+            emitted, n, current, candidates, block, state = run_step(
+                self.params, dp, cache, current, candidates, key, state
             )
             n_host = np.where(done, 0, np.asarray(n))  # finished rows stop advancing
             cache = commit_path(cache, block, jnp.asarray(n_host, jnp.int32))

@@ -30,16 +30,20 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed_tokens"], tokens, axis=0)
 
 
+def layer_kv(cfg, p, x, cos, sin):
+    """A block's keys (rotated) and values for its normed input x [B,T,D] -> [B,K,T,H] each."""
+    B, T, _ = x.shape
+    k = (x @ p["k_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    v = (x @ p["v_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    return apply_rope(k, cos, sin).transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
 def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, mask):
     """One block. h [B,T,D]; caches [B,K,S,H] (read only) -> h, new keys and values [B,K,T,H]."""
     B, T, _ = h.shape
     x = rms_norm(h, p["input_layernorm"], cfg.norm_eps)
-    q = (x @ p["q_proj"]).reshape(B, T, cfg.n_heads, cfg.head_dim)
-    k = (x @ p["k_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    v = (x @ p["v_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin).transpose(0, 2, 1, 3)  # [B,K,T,H]
-    v = v.transpose(0, 2, 1, 3)
+    q = apply_rope((x @ p["q_proj"]).reshape(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+    k, v = layer_kv(cfg, p, x, cos, sin)
     h = h + attention(q, k_cache, v_cache, k, v, mask) @ p["o_proj"]
     h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), p)
     return h, k, v

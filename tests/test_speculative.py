@@ -141,11 +141,16 @@ def exact_two_token_distribution(cfg, params, context, sampling):
     return p[0, -2][:, None] * p[:, -1]  # p(x1) * p(x2 | x1)
 
 
-def sampling_test_drafter(name: str, cfg: LlamaConfig):
-    """-> (drafter, its params): random guesses, or FIRP with random maps (its pseudo
-    chains join the verify forward, which must leave the verified logits alone)."""
+def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
+    """-> (drafter, its params): random guesses, FIRP with random maps (its pseudo chains
+    join the verify forward, which must leave the verified logits alone), or a random
+    Chimera (drafts from its own state carried between steps)."""
     if name == "random":
         return RandomDrafter(cfg.vocab_size), None
+    if name == "chimera":
+        from tests.test_chimera import random_chimera
+
+        return random_chimera(cfg, params, 4)
     from jaxspec.drafters.firp import FirpDrafter
 
     drafter = FirpDrafter(cfg, (1, 2))
@@ -162,6 +167,7 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig):
         ("cpu-16", Sampling(1.0, top_p=0.8), "random"),
         ("cpu-24", Sampling(1.3, top_k=5), "random"),
         ("chain-2", Sampling(1.0, top_p=0.9), "firp"),
+        ("cpu-8", Sampling(0.8), "chimera"),
     ],
 )
 def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling, drafter_name):
@@ -172,21 +178,24 @@ def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling,
     cfg, params = tiny("tiny-mqa", vocab=6)
     tree = tree_preset(tree_name)
     prompt, root, N = [1, 4, 2, 5], 3, 12000
-    drafter, dparams = sampling_test_drafter(drafter_name, cfg)
+    drafter, dparams = sampling_test_drafter(drafter_name, cfg, params)
     static = dict(cfg=cfg, sampling=sampling, tree=tree, drafter=drafter)
     cache = init_cache(cfg, N, 32)
     tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (N, len(prompt)))
     lengths = jnp.full((N,), len(prompt), jnp.int32)
-    _, _, block = prefill_and_draft(params, dparams, tokens, lengths, jax.random.key(0), **static)
+    state = drafter.init_state(cfg, N, 32, jnp.float32)
+    _, _, block, state = prefill_and_draft(
+        params, dparams, tokens, lengths, jax.random.key(0), state, **static
+    )
     cache = commit(cache, block, lengths)
     current = jnp.full((N,), root, jnp.int32)
     candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)
-    emitted, n, current, candidates, block = speculative_step(
-        params, dparams, cache, current, candidates, jax.random.key(2), **static
+    emitted, n, current, candidates, block, state = speculative_step(
+        params, dparams, cache, current, candidates, jax.random.key(2), state, **static
     )
     cache = commit(cache, block, n)
     emitted2, *_ = speculative_step(
-        params, dparams, cache, current, candidates, jax.random.key(3), **static
+        params, dparams, cache, current, candidates, jax.random.key(3), state, **static
     )
     emitted, n, emitted2 = np.asarray(emitted), np.asarray(n), np.asarray(emitted2)
     x1 = emitted[:, 0]

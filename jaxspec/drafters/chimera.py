@@ -1,0 +1,219 @@
+"""Chimera: a trigram encoder, one full-context transformer block and residual heads.
+
+Modules (D the base model's width):
+- trigram encoder: the frozen embeddings of (x_{i-2}, x_{i-1}, x_i) concatenated [3D],
+  a ResBlock(3D) (x + SiLU(x W + b), W zero-initialised), then Linear(3D->D) (initialised
+  to pick E(x_i)). Positions before the first token repeat it: (x0,x0,x0), (x0,x0,x1).
+- full-context encoder: one Llama decoder layer (initialised from the base model's last
+  layer) whose queries are trigram states and whose keys/values are the base model's
+  last-layer states h_j of the real tokens and the trigram states, each at its token's
+  position (rotary positions of the token).
+- residual heads: head d maps [norm(h) ; norm(ĥ)] (2D) by Linear(2D->D), initialised
+  [I ; I], into the frozen lm_head: initially the function of the paper's [W_lm, W_lm].
+
+Drafting after a verify step, with current token x_p (position p, not yet in the model's
+cache) and the model's state h_{p-1} that predicted it: the trigram query q_1 ending at
+x_p attends to the real states h_0..h_{p-1} and the trigrams up to itself; head 1 on
+[h_{p-1} ; ĥ_1] guesses x_{p+1}. Query q_d (d >= 2) is the trigram ending at the depth
+d-1 draft (the top-1 token of head d-1), at position p+d-1; it sees the same real states
+and the chain's trigrams; head d guesses x_{p+d}. So head d always works d positions past
+its last real state ("lag d"), and training uses the same masks (`training_logits`).
+Tree node (depth d, rank r) takes the rank-r token of head d, all along the top-1 chain.
+
+The encoder keeps its own cache (`ChimeraState`): keys/values of every committed token's
+real state and trigram, written once when the token enters the model's cache, so the
+prefix is never re-encoded. Cost of drafting per step: the trigram encoder and one block
+for d tokens at depth d, and one vocabulary projection per depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import LlamaConfig
+from jaxspec.decode import Drafter, DraftInputs, tree_candidates
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import causal_mask, write_rows
+from jaxspec.layers import rms_norm, rope_tables
+from jaxspec.llama import decoder_layer, embed, final_norm, layer_kv, vocab_projection
+from jaxspec.tree import TreeSpec
+
+# Slots past the model's cache length: a step writes its path and one more trigram.
+SPARE_SLOTS = 2
+
+
+@flax.struct.dataclass
+class ChimeraState:
+    tokens: jax.Array  # [B,S] every committed token, and the current one
+    real_keys: jax.Array  # [B,K,S,H] the encoder's keys/values of the real states h_j
+    real_values: jax.Array
+    trigram_keys: jax.Array  # [B,K,S,H] ... of the trigram states T_j
+    trigram_values: jax.Array
+
+
+def trigram_tokens(tokens: jax.Array, at: jax.Array) -> jax.Array:
+    """tokens [B,N], positions at [B,Q] -> [B,Q,3]: (x_{i-2}, x_{i-1}, x_i), clamped at 0."""
+    index = jnp.maximum(at[..., None] + jnp.arange(-2, 1), 0)  # [B,Q,3]
+    return jnp.take_along_axis(tokens[:, :, None], index.reshape(at.shape[0], -1, 1), 1).reshape(
+        index.shape
+    )
+
+
+def encode_trigrams(base_params, trigram: dict, tokens3: jax.Array) -> jax.Array:
+    """tokens3 [...,3] -> trigram states [...,D]."""
+    e = embed(base_params, tokens3.reshape(tokens3.shape[0], -1))
+    x = e.reshape(*tokens3.shape[:-1], -1).astype(jnp.float32)  # [...,3D]
+    x = x + jax.nn.silu(x @ trigram["res_w"] + trigram["res_b"])
+    return x @ trigram["w"] + trigram["b"]
+
+
+def lag_mask(n: int, lag: int) -> jax.Array:
+    """[n, 2n] for training over a whole sequence: trigram row i sees real states j <= i-lag
+    and trigrams j <= i. Example n=3, lag 1:
+
+        key:  h0 h1 h2 | T0 T1 T2
+        T0     0  0  0 |  1  0  0
+        T1     1  0  0 |  1  1  0
+        T2     1  1  0 |  1  1  1
+    """
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None]
+    return jnp.concatenate([j <= i - lag, j <= i], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChimeraDrafter(Drafter):
+    cfg: LlamaConfig  # the base model's
+    n_heads: int = 4
+
+    @property
+    def collect(self) -> tuple[int, ...]:
+        return (self.cfg.n_layers,)
+
+    def init(self, base_params) -> dict:
+        D = self.cfg.dim
+        eye = jnp.eye(D)
+        return {
+            "trigram": {
+                "res_w": jnp.zeros((3 * D, 3 * D)),
+                "res_b": jnp.zeros((3 * D,)),
+                "w": jnp.concatenate([jnp.zeros((2 * D, D)), eye]),
+                "b": jnp.zeros((D,)),
+            },
+            "encoder": jax.tree.map(lambda x: jnp.array(x, jnp.float32), base_params["layers"][-1]),
+            "heads": [
+                {"w": jnp.concatenate([eye, eye]), "b": jnp.zeros((D,))}
+                for _ in range(self.n_heads)
+            ],
+        }
+
+    def head_logits(self, base_params, params, h_real, h_enc, head: int):
+        """Head `head` (1-based): h_real [...,D] the model's last-layer state, h_enc [...,D]
+        the encoder's output -> logits [...,V] float32."""
+        x = jnp.concatenate(
+            [final_norm(base_params, self.cfg, h_real), final_norm(base_params, self.cfg, h_enc)],
+            -1,
+        ).astype(jnp.float32)
+        p = params["heads"][head - 1]
+        return vocab_projection(base_params, self.cfg, x @ p["w"] + p["b"])
+
+    def check_tree(self, tree: TreeSpec) -> None:
+        if tree.max_depth > self.n_heads:
+            raise JaxspecError(
+                f"tree depth {tree.max_depth} exceeds the drafter's {self.n_heads} Chimera heads; "
+                "pick a shallower tree"
+            )
+
+    def init_state(self, cfg, batch, max_len, dtype):
+        shape = (batch, cfg.n_kv_heads, max_len + SPARE_SLOTS, cfg.head_dim)
+        zeros = lambda: jnp.zeros(shape, jnp.float32)  # noqa: E731
+        tokens = jnp.zeros((batch, max_len + SPARE_SLOTS), jnp.int32)
+        return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros())
+
+    def advance(self, params, drafter_params, inputs: DraftInputs) -> ChimeraState:
+        """Encode what entered the cache (real states at their positions, and the trigrams
+        up to the current token) into the encoder's cache."""
+        st, new = inputs.state, inputs.entered
+        B, M = new.tokens.shape
+        enc = drafter_params["encoder"]
+        tokens = jax.vmap(lambda row, x, at: jax.lax.dynamic_update_slice(row, x, (at,)))(
+            st.tokens, new.tokens, new.start
+        )
+        tokens = tokens.at[jnp.arange(B), inputs.position].set(inputs.current)
+
+        positions = new.start[:, None] + jnp.arange(M)  # [B,M]
+        real = rms_norm(new.hidden[self.cfg.n_layers], enc["input_layernorm"], self.cfg.norm_eps)
+        real_k, real_v = layer_kv(self.cfg, enc, real.astype(jnp.float32), *rope_tables(
+            self.cfg, positions))  # fmt: skip
+        # Trigrams at start..start+M: the ones ending at each entered token and at current.
+        tri_pos = new.start[:, None] + jnp.arange(M + 1)
+        tri = encode_trigrams(params, drafter_params["trigram"], trigram_tokens(tokens, tri_pos))
+        tri_k, tri_v = layer_kv(
+            self.cfg, enc, rms_norm(tri, enc["input_layernorm"], self.cfg.norm_eps),
+            *rope_tables(self.cfg, tri_pos),
+        )  # fmt: skip
+        return ChimeraState(
+            tokens,
+            write_rows(st.real_keys, real_k, new.start),
+            write_rows(st.real_values, real_v, new.start),
+            write_rows(st.trigram_keys, tri_k, new.start),
+            write_rows(st.trigram_values, tri_v, new.start),
+        )
+
+    def draft_chain(self, params, drafter_params, inputs: DraftInputs, depth: int):
+        """-> logits [B,depth,V] of heads 1..depth along the top-1 chain, and the chain's
+        tokens [B,depth]."""
+        st, p = inputs.state, inputs.position
+        B, S = st.tokens.shape
+        enc = drafter_params["encoder"]
+        context_k = jnp.concatenate([st.real_keys, st.trigram_keys], axis=2)  # [B,K,2S,H]
+        context_v = jnp.concatenate([st.real_values, st.trigram_values], axis=2)
+        before = jnp.arange(S)[None] < p[:, None]  # [B,S]: real h_j and committed T_j, j < p
+        context = jnp.concatenate([before, before], axis=1)[:, None]  # [B,1,2S]
+        window = trigram_tokens(st.tokens, p[:, None])[:, 0]  # [B,3] ending at x_p
+        queries, logits, chain = [], [], []
+        h_real = inputs.hidden[self.cfg.n_layers]
+        for d in range(1, depth + 1):
+            queries.append(encode_trigrams(params, drafter_params["trigram"], window))
+            q = jnp.stack(queries, 1)  # [B,d,D]
+            positions = p[:, None] + jnp.arange(d)
+            seen = jnp.broadcast_to(context, (B, d, 2 * S))
+            mask = jnp.concatenate([seen, causal_mask(B, d)], -1)
+            out, _, _ = decoder_layer(
+                self.cfg, enc, q, *rope_tables(self.cfg, positions), context_k, context_v, mask
+            )
+            logits.append(self.head_logits(params, drafter_params, h_real, out[:, -1], d))
+            chain.append(jnp.argmax(logits[-1], -1).astype(jnp.int32))
+            window = jnp.concatenate([window[:, 1:], chain[-1][:, None]], axis=1)
+        return jnp.stack(logits, 1), jnp.stack(chain, 1)
+
+    def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
+        if tree.n_nodes == 1:
+            return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
+        logits, _ = self.draft_chain(params, drafter_params, inputs, tree.max_depth)
+        return tree_candidates(logits, tree)
+
+
+def training_logits(drafter: ChimeraDrafter, base_params, params, tokens, hidden, rows):
+    """Whole sequences at once: tokens [B,n], the model's last-layer states hidden [B,n,D],
+    rows [B,R] (each >= n_heads) -> logits [B,R,K,V]: head d at row i guesses token i+1
+    from [h_{i-d} ; the encoder at trigram i under lag_mask(n, d)], exactly what drafting
+    at depth d computes when x_{i-d+1..i} are the chain's tokens."""
+    cfg = drafter.cfg
+    B, n = tokens.shape
+    enc = params["encoder"]
+    positions = jnp.broadcast_to(jnp.arange(n), (B, n))
+    cos, sin = rope_tables(cfg, positions)
+    tri = encode_trigrams(base_params, params["trigram"], trigram_tokens(tokens, positions))
+    real = rms_norm(hidden.astype(jnp.float32), enc["input_layernorm"], cfg.norm_eps)
+    real_k, real_v = layer_kv(cfg, enc, real, cos, sin)
+    at_rows = lambda x, shift=0: jnp.take_along_axis(x, (rows - shift)[..., None], 1)  # noqa: E731
+    logits = []
+    for d in range(1, drafter.n_heads + 1):
+        mask = jnp.broadcast_to(lag_mask(n, d), (B, n, 2 * n))
+        out, _, _ = decoder_layer(cfg, enc, tri, cos, sin, real_k, real_v, mask)
+        logits.append(drafter.head_logits(base_params, params, at_rows(hidden, d), at_rows(out), d))
+    return jnp.stack(logits, 2)

@@ -1,0 +1,147 @@
+"""Chimera: masks and trigrams, the cached encoder against a full recompute, drafting
+against training, losslessness."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decode import DraftInputs, Entered, SpeculativeGenerator
+from jaxspec.drafters.chimera import (
+    ChimeraDrafter,
+    lag_mask,
+    training_logits,
+    trigram_tokens,
+)
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import causal_mask
+from jaxspec.llama import embed, run_layers
+from jaxspec.tree import tree_preset
+from tests.test_speculative import tiny
+
+
+def random_chimera(cfg, base_params, n_heads=3, seed=0):
+    """A drafter whose every weight is its initial value plus noise."""
+    drafter = ChimeraDrafter(cfg, n_heads)
+    leaves, treedef = jax.tree.flatten(drafter.init(base_params))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    noisy = [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return drafter, jax.tree.unflatten(treedef, noisy)
+
+
+def test_lag_mask_literal():
+    np.testing.assert_array_equal(
+        lag_mask(3, 1),
+        [[0, 0, 0, 1, 0, 0], [1, 0, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1]],
+    )
+    np.testing.assert_array_equal(
+        lag_mask(3, 2),
+        [[0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1]],
+    )
+
+
+def test_trigram_tokens_repeat_the_first_token_before_the_start():
+    tokens = jnp.asarray([[7, 8, 9, 10]])
+    got = trigram_tokens(tokens, jnp.asarray([[0, 1, 2, 3]]))
+    np.testing.assert_array_equal(got[0], [[7, 7, 7], [7, 7, 8], [7, 8, 9], [8, 9, 10]])
+
+
+def model_states(cfg, params, tokens):
+    """tokens [B,n] -> the model's last-layer states [B,n,D]."""
+    B, n = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(n), (B, n))
+    h, _, _ = run_layers(params, cfg, embed(params, tokens), positions, None, causal_mask(B, n))
+    return h
+
+
+def advance(drafter, params, dparams, state, tokens, start, count, hidden, current):
+    """One `advance` with `count` of tokens [1,M] entering at `start`; current follows."""
+    entered = Entered(
+        jnp.asarray(tokens, jnp.int32), jnp.asarray([start]), jnp.asarray([count]),
+        {drafter.cfg.n_layers: hidden},
+    )  # fmt: skip
+    inputs = DraftInputs(
+        {}, jnp.asarray([current]), jnp.asarray([start + count]), None, None, None, entered, state
+    )
+    return drafter.advance(params, dparams, inputs)
+
+
+def test_the_cached_encoder_equals_a_full_recompute():
+    """Chunks entering step by step (padded, as verify steps pass them) leave the same
+    encoder cache as the whole sequence at once."""
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params)
+    seq = jax.random.randint(jax.random.key(3), (1, 12), 0, cfg.vocab_size)
+    h = model_states(cfg, params, seq)
+    fresh = lambda: drafter.init_state(cfg, 1, 16, jnp.float32)  # noqa: E731
+    whole = advance(drafter, params, dparams, fresh(), seq[:, :11], 0, 11, h[:, :11], seq[0, 11])
+
+    garbage_tokens, garbage_h = jnp.full((1, 8), 3), jnp.ones((1, 8, cfg.dim))
+    pad = lambda x, g, m: jnp.concatenate([x, g[:, : m - x.shape[1]]], axis=1)  # noqa: E731
+    state = advance(
+        drafter, params, dparams, fresh(), pad(seq[:, :4], garbage_tokens, 6), 0, 4,
+        pad(h[:, :4], garbage_h, 6), seq[0, 4],
+    )  # fmt: skip
+    start = 4
+    for count in (1, 3, 2, 1):  # root + accepted drafts, padded to depth + 1 = 4
+        end = start + count
+        state = advance(
+            drafter, params, dparams, state, pad(seq[:, start:end], garbage_tokens, 4), start,
+            count, pad(h[:, start:end], garbage_h, 4), seq[0, end],
+        )  # fmt: skip
+        start = end
+    assert start == 11
+    np.testing.assert_array_equal(state.tokens[:, :12], whole.tokens[:, :12])
+    for name in ("real_keys", "real_values"):
+        a, b = getattr(state, name)[:, :, :11], getattr(whole, name)[:, :, :11]
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for name in ("trigram_keys", "trigram_values"):
+        a, b = getattr(state, name)[:, :, :12], getattr(whole, name)[:, :, :12]
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_drafting_computes_what_training_trains():
+    """Head d's logits along the drafted chain equal training_logits on the sequence
+    extended by the chain's tokens (lag d), for every depth."""
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=3)
+    p = 7
+    seq = jax.random.randint(jax.random.key(4), (1, p + 1), 0, cfg.vocab_size)
+    h = model_states(cfg, params, seq[:, :p])
+    state = advance(
+        drafter, params, dparams, drafter.init_state(cfg, 1, 16, jnp.float32), seq[:, :p], 0, p,
+        h, seq[0, p],
+    )  # fmt: skip
+    L = cfg.n_layers
+    inputs = DraftInputs({L: h[:, p - 1]}, seq[:, p], jnp.asarray([p]), None, None, state=state)
+    logits, chain = drafter.draft_chain(params, dparams, inputs, 3)
+
+    extended = jnp.concatenate([seq, chain[:, :2]], axis=1)  # [1, p+3]
+    hidden = jnp.concatenate([h, jnp.full((1, 3, cfg.dim), 7.0)], axis=1)  # never seen
+    rows = jnp.asarray([[p, p + 1, p + 2]])
+    trained = training_logits(drafter, params, dparams, extended, hidden, rows)  # [1,3,K,V]
+    for d in range(1, 4):
+        np.testing.assert_allclose(trained[0, d - 1, d - 1], logits[0, d - 1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
+@pytest.mark.parametrize("tree_name", ["chain-2", "cpu-8", "cpu-16"])
+def test_greedy_chimera_is_lossless(name, tree_name):
+    cfg, params = tiny(name)
+    drafter, dparams = random_chimera(cfg, params, n_heads=4)
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
+    gen = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset(tree_name))
+    assert gen.generate(prompt, 40).token_ids == ar
+    batch = gen.generate_batch([prompt, [3, 4]], 20)
+    assert batch[0].token_ids == ar[:20]
+    assert batch[1].token_ids == SpeculativeGenerator(cfg, params).generate([3, 4], 20).token_ids
+
+
+def test_too_deep_a_tree_is_a_clear_error():
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=2)
+    with pytest.raises(JaxspecError, match="exceeds the drafter's 2 Chimera heads"):
+        SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset("chain-4"))
