@@ -17,7 +17,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
-METHODS = ("ar", "medusa", "firp")  # grows as drafters land: chimera, sdsat, ppd
+METHODS = ("ar", "medusa", "firp", "chimera")  # grows as drafters land: sdsat, ppd
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 CPU_TREE = "chain-1"
 
@@ -65,6 +65,10 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
         from jaxspec.drafters.medusa import MedusaDrafter
 
         return MedusaDrafter(cfg, settings["n_heads"], settings.get("own_lm_head", False))
+    if method == "chimera":
+        from jaxspec.drafters.chimera import ChimeraDrafter
+
+        return ChimeraDrafter(cfg, settings["n_heads"])
     from jaxspec.drafters.firp import FirpDrafter
 
     return FirpDrafter(cfg, tuple(settings["layers"]))

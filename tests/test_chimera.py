@@ -18,7 +18,7 @@ from jaxspec.drafters.chimera import (
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, run_layers
-from jaxspec.tree import tree_preset
+from jaxspec.tree import TreeSpec, tree_preset
 from tests.test_speculative import tiny
 
 
@@ -145,3 +145,46 @@ def test_too_deep_a_tree_is_a_clear_error():
     drafter, dparams = random_chimera(cfg, params, n_heads=2)
     with pytest.raises(JaxspecError, match="exceeds the drafter's 2 Chimera heads"):
         SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset("chain-4"))
+
+
+@pytest.fixture(scope="module")
+def trained_chimera(tiny_ckpt, tmp_path_factory):
+    """Train 6 steps, 'interrupt', resume to 10: (drafter dir, reports, checkpoint)."""
+    import train.chimera as chimera
+    import train.features as features
+    from tests.test_medusa import conversations
+
+    tmp = tmp_path_factory.mktemp("chimera")
+    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
+              "--out", str(tmp / "out"), "--train-seqs", "8", "--test-seqs", "4",
+              "--prompt-len", "40", "--new-tokens", "24", "--batch", "2", "--rows", "8",
+              "--heads", "3", "--save-every", "3", "--lr", "0.01", "--distill", "0.1"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        first = chimera.train([*common, "--steps", "6"])
+        second = chimera.train([*common, "--steps", "10"])
+    return tmp / "out", first, second, tiny_ckpt[0]
+
+
+def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
+    import json
+
+    from infer.common import load_model, make_drafter
+    from jaxspec.drafters.store import load_drafter
+
+    out, first, second, ckpt = trained_chimera
+    assert first["steps"] == 6 and second["steps"] == 10
+    assert first["final_loss_per_head"] != second["final_loss_per_head"]  # it trained on
+    acc = np.array(second["test_topk_accuracy"])
+    assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)
+    meta = json.loads((out / "drafter.json").read_text())
+    assert meta["method"] == "chimera" and meta["settings"]["n_heads"] == 3
+    model = load_model(ckpt)
+    settings, dparams = load_drafter(out, "chimera", model.cfg)
+    drafter = make_drafter("chimera", model.cfg, settings)
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
+    for tree in ("chain-2", settings["trees"]["searched-8"]):
+        spec = tree_preset(tree) if isinstance(tree, str) else TreeSpec.from_paths(tree)
+        gen = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, spec)
+        assert gen.generate(prompt, 24).token_ids == ar

@@ -103,8 +103,8 @@ def test_bench_bad_questions(tmp_path, capsys):
 
 
 def test_train_names_what_exists(capsys):
-    err = one_line_error(train_main, ["chimera"], capsys)
-    assert "no trainer for method 'chimera' in this version (available: medusa, firp)" in err
+    err = one_line_error(train_main, ["sdsat"], capsys)
+    assert "no trainer for method 'sdsat' in this version (available: medusa, firp, chimera)" in err
 
 
 def test_roofline_reports_a_fraction(capsys):

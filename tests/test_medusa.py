@@ -36,11 +36,13 @@ def conversations(n=12, seed=0):
 @pytest.fixture(scope="module")
 def trained(tiny_ckpt, tmp_path_factory, monkeypatch_module):
     """Train 12 steps, 'interrupt', then resume to 20: (drafter dir, report, ckpt dir)."""
+    import train.features as features
     import train.medusa as medusa
 
-    monkeypatch_module.setattr(
-        medusa, "sharegpt_split", lambda split: conversations(seed=len(split))
-    )
+    for module in (medusa, features):
+        monkeypatch_module.setattr(
+            module, "sharegpt_split", lambda split: conversations(seed=len(split))
+        )
     tmp = tmp_path_factory.mktemp("medusa")
     common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
               "--out", str(tmp / "out"), "--train-seqs", "10", "--test-seqs", "4",

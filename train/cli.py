@@ -24,7 +24,13 @@ def _firp(argv):
     main(argv)
 
 
-TRAINERS = {"medusa": _medusa, "firp": _firp}  # method name -> main(argv)
+def _chimera(argv):
+    from train.chimera import main
+
+    main(argv)
+
+
+TRAINERS = {"medusa": _medusa, "firp": _firp, "chimera": _chimera}  # method name -> main(argv)
 PLANNED = ("medusa", "firp", "chimera", "sdsat", "ppd")
 
 

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxspec.data.sources import sharegpt_split
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
+from train.selfdata import generate_answers
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
 
@@ -77,3 +79,13 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4) -> dict:
     np.savez(tmp, **data)
     tmp.replace(out)
     return data
+
+
+def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
+    """Features of the base model's own greedy answers to n `split` prompts, cached in
+    `root` (the model's training folder, shared by every drafter's trainer)."""
+    name = f"{split}-{n}-p{prompt_len}-n{new_tokens}"
+    answers = generate_answers(
+        model, sharegpt_split(split), n, root / f"self-{name}.npz", prompt_len, new_tokens
+    )
+    return extract_sequences(model, answers, root / f"features-self-{name}.npz")

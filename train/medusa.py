@@ -36,8 +36,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
 from train.checkpoints import resume, save
-from train.features import extract, extract_sequences
-from train.selfdata import generate_answers
+from train.features import answer_features, extract
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -144,16 +143,7 @@ def train(argv) -> dict:
         if args.data == "sharegpt":
             file = work / f"{split}-{n}x{args.seq_len}.npz"
             return extract(model, sharegpt_split(split), n, args.seq_len, file)
-        name = f"{split}-{n}-p{args.prompt_len}-n{args.new_tokens}"
-        answers = generate_answers(
-            model,
-            sharegpt_split(split),
-            n,
-            work.parent / f"self-{name}.npz",
-            args.prompt_len,
-            args.new_tokens,
-        )
-        return extract_sequences(model, answers, work / f"features-self-{name}.npz")
+        return answer_features(model, work.parent, split, n, args.prompt_len, args.new_tokens)
 
     train_f, test_f = features("train", args.train_seqs), features("test", args.test_seqs)
     pairs, labels = samples(train_f, args.heads, args.targets)

@@ -197,23 +197,46 @@ class ChimeraDrafter(Drafter):
         return tree_candidates(logits, tree)
 
 
+def encoder_context(drafter: ChimeraDrafter, base_params, params, tokens, hidden):
+    """Whole sequences: tokens [B,n], the model's last-layer states hidden [B,n,D] ->
+    (trigram states [B,n,D], the encoder's keys and values over [real ; trigrams], each
+    [B,Kv,2n,H])."""
+    cfg, enc = drafter.cfg, params["encoder"]
+    B, n = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(n), (B, n))
+    cos, sin = rope_tables(cfg, positions)
+    tri = encode_trigrams(base_params, params["trigram"], trigram_tokens(tokens, positions))
+    both = jnp.concatenate([hidden.astype(jnp.float32), tri], axis=1)
+    normed = rms_norm(both, enc["input_layernorm"], cfg.norm_eps)
+    keys, values = layer_kv(
+        cfg, enc, normed, jnp.tile(cos, (1, 2, 1, 1)), jnp.tile(sin, (1, 2, 1, 1))
+    )
+    return tri, keys, values
+
+
+def encoder_outputs(drafter, base_params, params, tokens, hidden, rows, lag, context=None):
+    """The encoder at trigram rows [B,R] under lag_mask(n, lag) -> [B,R,D]."""
+    cfg = drafter.cfg
+    B, n = tokens.shape
+    tri, keys, values = context or encoder_context(drafter, base_params, params, tokens, hidden)
+    queries = jnp.take_along_axis(tri, rows[..., None], axis=1)
+    seen = lag_mask(n, lag)[rows]  # [B,R,2n]
+    mask = jnp.concatenate([seen, jnp.zeros((*rows.shape, rows.shape[1]), bool)], -1)
+    out, _, _ = decoder_layer(
+        cfg, params["encoder"], queries, *rope_tables(cfg, rows), keys, values, mask
+    )
+    return out
+
+
 def training_logits(drafter: ChimeraDrafter, base_params, params, tokens, hidden, rows):
     """Whole sequences at once: tokens [B,n], the model's last-layer states hidden [B,n,D],
     rows [B,R] (each >= n_heads) -> logits [B,R,K,V]: head d at row i guesses token i+1
     from [h_{i-d} ; the encoder at trigram i under lag_mask(n, d)], exactly what drafting
     at depth d computes when x_{i-d+1..i} are the chain's tokens."""
-    cfg = drafter.cfg
-    B, n = tokens.shape
-    enc = params["encoder"]
-    positions = jnp.broadcast_to(jnp.arange(n), (B, n))
-    cos, sin = rope_tables(cfg, positions)
-    tri = encode_trigrams(base_params, params["trigram"], trigram_tokens(tokens, positions))
-    real = rms_norm(hidden.astype(jnp.float32), enc["input_layernorm"], cfg.norm_eps)
-    real_k, real_v = layer_kv(cfg, enc, real, cos, sin)
-    at_rows = lambda x, shift=0: jnp.take_along_axis(x, (rows - shift)[..., None], 1)  # noqa: E731
+    context = encoder_context(drafter, base_params, params, tokens, hidden)
     logits = []
     for d in range(1, drafter.n_heads + 1):
-        mask = jnp.broadcast_to(lag_mask(n, d), (B, n, 2 * n))
-        out, _, _ = decoder_layer(cfg, enc, tri, cos, sin, real_k, real_v, mask)
-        logits.append(drafter.head_logits(base_params, params, at_rows(hidden, d), at_rows(out), d))
+        out = encoder_outputs(drafter, base_params, params, tokens, hidden, rows, d, context)
+        h_real = jnp.take_along_axis(hidden, (rows - d)[..., None], axis=1)
+        logits.append(drafter.head_logits(base_params, params, h_real, out, d))
     return jnp.stack(logits, 2)

@@ -31,8 +31,9 @@ def flatten(tree, prefix="") -> dict[str, np.ndarray]:
         items = tree.items()
     elif isinstance(tree, (list, tuple)):
         items = ((str(i), v) for i, v in enumerate(tree))
-    else:
-        return {prefix[:-1]: np.asarray(tree, np.float32)}
+    else:  # float16 stays float16 (drafters stored half size); the rest as float32
+        array = np.asarray(tree)
+        return {prefix[:-1]: array if array.dtype == np.float16 else array.astype(np.float32)}
     out = {}
     for k, v in items:
         out.update(flatten(v, f"{prefix}{k}."))
