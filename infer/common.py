@@ -68,7 +68,9 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
     if method == "chimera":
         from jaxspec.drafters.chimera import ChimeraDrafter
 
-        return ChimeraDrafter(cfg, settings["n_heads"])
+        return ChimeraDrafter(
+            cfg, settings["n_heads"], settings.get("ngram", 3), settings.get("residual", True)
+        )
     from jaxspec.drafters.firp import FirpDrafter
 
     return FirpDrafter(cfg, tuple(settings["layers"]))

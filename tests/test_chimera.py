@@ -22,9 +22,9 @@ from jaxspec.tree import TreeSpec, tree_preset
 from tests.test_speculative import tiny
 
 
-def random_chimera(cfg, base_params, n_heads=3, seed=0):
+def random_chimera(cfg, base_params, n_heads=3, seed=0, **options):
     """A drafter whose every weight is its initial value plus noise."""
-    drafter = ChimeraDrafter(cfg, n_heads)
+    drafter = ChimeraDrafter(cfg, n_heads, **options)
     leaves, treedef = jax.tree.flatten(drafter.init(base_params))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     noisy = [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
@@ -46,6 +46,8 @@ def test_trigram_tokens_repeat_the_first_token_before_the_start():
     tokens = jnp.asarray([[7, 8, 9, 10]])
     got = trigram_tokens(tokens, jnp.asarray([[0, 1, 2, 3]]))
     np.testing.assert_array_equal(got[0], [[7, 7, 7], [7, 7, 8], [7, 8, 9], [8, 9, 10]])
+    got = trigram_tokens(tokens, jnp.asarray([[1, 3]]), n=2)
+    np.testing.assert_array_equal(got[0], [[7, 8], [9, 10]])
 
 
 def model_states(cfg, params, tokens):
@@ -102,11 +104,12 @@ def test_the_cached_encoder_equals_a_full_recompute():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_drafting_computes_what_training_trains():
+@pytest.mark.parametrize("ngram, residual", [(3, True), (2, False), (5, True)])
+def test_drafting_computes_what_training_trains(ngram, residual):
     """Head d's logits along the drafted chain equal training_logits on the sequence
-    extended by the chain's tokens (lag d), for every depth."""
+    extended by the chain's tokens (lag d), for every depth and encoder variant."""
     cfg, params = tiny()
-    drafter, dparams = random_chimera(cfg, params, n_heads=3)
+    drafter, dparams = random_chimera(cfg, params, 3, ngram=ngram, residual=residual)
     p = 7
     seq = jax.random.randint(jax.random.key(4), (1, p + 1), 0, cfg.vocab_size)
     h = model_states(cfg, params, seq[:, :p])
@@ -145,6 +148,8 @@ def test_too_deep_a_tree_is_a_clear_error():
     drafter, dparams = random_chimera(cfg, params, n_heads=2)
     with pytest.raises(JaxspecError, match="exceeds the drafter's 2 Chimera heads"):
         SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset("chain-4"))
+    with pytest.raises(JaxspecError, match="1 <= ngram <= 8"):
+        ChimeraDrafter(cfg, 2, ngram=0)
 
 
 @pytest.fixture(scope="module")

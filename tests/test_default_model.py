@@ -79,7 +79,14 @@ def test_random_drafter_is_lossless_on_the_default_model(models):
 
 
 @pytest.mark.parametrize(
-    "method, tree", [("medusa", None), ("firp", None), ("firp", "searched-16")]
+    "method, tree",
+    [
+        ("medusa", None),
+        ("firp", None),
+        ("firp", "searched-16"),
+        ("chimera", None),
+        ("chimera", "searched-16"),
+    ],  # fmt: skip
 )
 def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree):
     from infer.common import build_generator

@@ -48,6 +48,10 @@ def parse_args(argv):
         "--work-dir", type=Path, help="features and checkpoints (default: in $JAXSPEC_HOME)"
     )
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ngram", type=int, default=3, help="tokens per n-gram (paper: 3)")
+    p.add_argument(
+        "--no-residual", action="store_true", help="heads see only the encoder (Fig. 6 ablation)"
+    )
     p.add_argument("--train-seqs", type=int, default=400)
     p.add_argument("--test-seqs", type=int, default=40)
     p.add_argument("--prompt-len", type=int, default=128, help="longest prompt")
@@ -157,7 +161,7 @@ def train(argv) -> dict:
         model, feature_root, "test", args.test_seqs, args.prompt_len, args.new_tokens
     )
 
-    drafter = ChimeraDrafter(cfg, args.heads)
+    drafter = ChimeraDrafter(cfg, args.heads, args.ngram, not args.no_residual)
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
     params = drafter.init(model.params)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
@@ -182,7 +186,12 @@ def train(argv) -> dict:
     manager.wait_until_finished()
 
     accuracy = evaluate(drafter, model.params, state["params"], test_f)
-    settings = {"n_heads": args.heads, "trees": searched_trees(accuracy)}
+    settings = {
+        "n_heads": args.heads,
+        "ngram": args.ngram,
+        "residual": not args.no_residual,
+        "trees": searched_trees(accuracy),
+    }
     report = {
         "steps": int(state["step"]),
         "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
@@ -209,9 +218,10 @@ def card(args, cfg, report) -> str:
     )
     return f"""# Chimera drafter for {cfg.name}
 
-- Trigram encoder (ResBlock(3D) + Linear(3D->D)), full-context encoder (one Llama decoder
-  layer, initialised from the base model's last layer), {args.heads} residual heads
-  (Linear(2D->D) + the frozen lm_head). Weights stored in float16.
+- {args.ngram}-gram encoder (ResBlock + Linear to D), full-context encoder (one Llama
+  decoder layer, initialised from the base model's last layer), {args.heads}
+  {"heads on the encoder only" if args.no_residual else "residual heads (Linear(2D->D)"}
+  + the frozen lm_head). Weights stored in float16.
 - Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
   ShareGPT train-split conversations (prompts <= {args.prompt_len} tokens, answers
   <= {args.new_tokens}).

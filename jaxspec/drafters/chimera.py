@@ -1,15 +1,17 @@
 """Chimera: a trigram encoder, one full-context transformer block and residual heads.
 
 Modules (D the base model's width):
-- trigram encoder: the frozen embeddings of (x_{i-2}, x_{i-1}, x_i) concatenated [3D],
-  a ResBlock(3D) (x + SiLU(x W + b), W zero-initialised), then Linear(3D->D) (initialised
-  to pick E(x_i)). Positions before the first token repeat it: (x0,x0,x0), (x0,x0,x1).
+- trigram encoder (n-gram in general, `ngram` = 3 by default): the frozen embeddings of
+  (x_{i-2}, x_{i-1}, x_i) concatenated [3D], a ResBlock(3D) (x + SiLU(x W + b), W
+  zero-initialised), then Linear(3D->D) (initialised to pick E(x_i)). Positions before the
+  first token repeat it: (x0,x0,x0), (x0,x0,x1).
 - full-context encoder: one Llama decoder layer (initialised from the base model's last
   layer) whose queries are trigram states and whose keys/values are the base model's
   last-layer states h_j of the real tokens and the trigram states, each at its token's
   position (rotary positions of the token).
 - residual heads: head d maps [norm(h) ; norm(ĥ)] (2D) by Linear(2D->D), initialised
   [I ; I], into the frozen lm_head: initially the function of the paper's [W_lm, W_lm].
+  `residual=False` (the paper's Fig. 6 ablation) drops h: Linear(D->D) on norm(ĥ).
 
 Drafting after a verify step, with current token x_p (position p, not yet in the model's
 cache) and the model's state h_{p-1} that predicted it: the trigram query q_1 ending at
@@ -55,18 +57,18 @@ class ChimeraState:
     trigram_values: jax.Array
 
 
-def trigram_tokens(tokens: jax.Array, at: jax.Array) -> jax.Array:
-    """tokens [B,N], positions at [B,Q] -> [B,Q,3]: (x_{i-2}, x_{i-1}, x_i), clamped at 0."""
-    index = jnp.maximum(at[..., None] + jnp.arange(-2, 1), 0)  # [B,Q,3]
+def trigram_tokens(tokens: jax.Array, at: jax.Array, n: int = 3) -> jax.Array:
+    """tokens [B,N], positions at [B,Q] -> [B,Q,n]: (x_{i-n+1}, ..., x_i), clamped at 0."""
+    index = jnp.maximum(at[..., None] + jnp.arange(1 - n, 1), 0)  # [B,Q,n]
     return jnp.take_along_axis(tokens[:, :, None], index.reshape(at.shape[0], -1, 1), 1).reshape(
         index.shape
     )
 
 
 def encode_trigrams(base_params, trigram: dict, tokens3: jax.Array) -> jax.Array:
-    """tokens3 [...,3] -> trigram states [...,D]."""
+    """tokens3 [B,...,n] -> trigram (n-gram) states [B,...,D]."""
     e = embed(base_params, tokens3.reshape(tokens3.shape[0], -1))
-    x = e.reshape(*tokens3.shape[:-1], -1).astype(jnp.float32)  # [...,3D]
+    x = e.reshape(*tokens3.shape[:-1], -1).astype(jnp.float32)  # [B,...,nD]
     x = x + jax.nn.silu(x @ trigram["res_w"] + trigram["res_b"])
     return x @ trigram["w"] + trigram["b"]
 
@@ -88,35 +90,42 @@ def lag_mask(n: int, lag: int) -> jax.Array:
 class ChimeraDrafter(Drafter):
     cfg: LlamaConfig  # the base model's
     n_heads: int = 4
+    ngram: int = 3
+    residual: bool = True
+
+    def __post_init__(self):
+        if not 1 <= self.ngram <= 8 or self.n_heads < 1:
+            raise JaxspecError(
+                f"Chimera needs 1 <= ngram <= 8 and >= 1 head, got ngram={self.ngram}, "
+                f"n_heads={self.n_heads}"
+            )
 
     @property
     def collect(self) -> tuple[int, ...]:
         return (self.cfg.n_layers,)
 
     def init(self, base_params) -> dict:
-        D = self.cfg.dim
+        D, n = self.cfg.dim, self.ngram
         eye = jnp.eye(D)
+        head_w = jnp.concatenate([eye, eye]) if self.residual else eye
         return {
             "trigram": {
-                "res_w": jnp.zeros((3 * D, 3 * D)),
-                "res_b": jnp.zeros((3 * D,)),
-                "w": jnp.concatenate([jnp.zeros((2 * D, D)), eye]),
+                "res_w": jnp.zeros((n * D, n * D)),
+                "res_b": jnp.zeros((n * D,)),
+                "w": jnp.concatenate([jnp.zeros(((n - 1) * D, D)), eye]),
                 "b": jnp.zeros((D,)),
             },
             "encoder": jax.tree.map(lambda x: jnp.array(x, jnp.float32), base_params["layers"][-1]),
-            "heads": [
-                {"w": jnp.concatenate([eye, eye]), "b": jnp.zeros((D,))}
-                for _ in range(self.n_heads)
-            ],
+            "heads": [{"w": head_w, "b": jnp.zeros((D,))} for _ in range(self.n_heads)],
         }
 
     def head_logits(self, base_params, params, h_real, h_enc, head: int):
         """Head `head` (1-based): h_real [...,D] the model's last-layer state, h_enc [...,D]
         the encoder's output -> logits [...,V] float32."""
-        x = jnp.concatenate(
-            [final_norm(base_params, self.cfg, h_real), final_norm(base_params, self.cfg, h_enc)],
-            -1,
-        ).astype(jnp.float32)
+        x = final_norm(base_params, self.cfg, h_enc)
+        if self.residual:
+            x = jnp.concatenate([final_norm(base_params, self.cfg, h_real), x], -1)
+        x = x.astype(jnp.float32)
         p = params["heads"][head - 1]
         return vocab_projection(base_params, self.cfg, x @ p["w"] + p["b"])
 
@@ -150,7 +159,9 @@ class ChimeraDrafter(Drafter):
             self.cfg, positions))  # fmt: skip
         # Trigrams at start..start+M: the ones ending at each entered token and at current.
         tri_pos = new.start[:, None] + jnp.arange(M + 1)
-        tri = encode_trigrams(params, drafter_params["trigram"], trigram_tokens(tokens, tri_pos))
+        tri = encode_trigrams(
+            params, drafter_params["trigram"], trigram_tokens(tokens, tri_pos, self.ngram)
+        )
         tri_k, tri_v = layer_kv(
             self.cfg, enc, rms_norm(tri, enc["input_layernorm"], self.cfg.norm_eps),
             *rope_tables(self.cfg, tri_pos),
@@ -173,7 +184,7 @@ class ChimeraDrafter(Drafter):
         context_v = jnp.concatenate([st.real_values, st.trigram_values], axis=2)
         before = jnp.arange(S)[None] < p[:, None]  # [B,S]: real h_j and committed T_j, j < p
         context = jnp.concatenate([before, before], axis=1)[:, None]  # [B,1,2S]
-        window = trigram_tokens(st.tokens, p[:, None])[:, 0]  # [B,3] ending at x_p
+        window = trigram_tokens(st.tokens, p[:, None], self.ngram)[:, 0]  # [B,n] ending at x_p
         queries, logits, chain = [], [], []
         h_real = inputs.hidden[self.cfg.n_layers]
         for d in range(1, depth + 1):
@@ -205,7 +216,9 @@ def encoder_context(drafter: ChimeraDrafter, base_params, params, tokens, hidden
     B, n = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(n), (B, n))
     cos, sin = rope_tables(cfg, positions)
-    tri = encode_trigrams(base_params, params["trigram"], trigram_tokens(tokens, positions))
+    tri = encode_trigrams(
+        base_params, params["trigram"], trigram_tokens(tokens, positions, drafter.ngram)
+    )
     both = jnp.concatenate([hidden.astype(jnp.float32), tri], axis=1)
     normed = rms_norm(both, enc["input_layernorm"], cfg.norm_eps)
     keys, values = layer_kv(
