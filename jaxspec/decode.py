@@ -246,6 +246,7 @@ class SpeculativeGenerator:
         self.sampling = sampling or Sampling()
         self.max_len = max_len or cfg.max_position
         self.drafter.check_tree(self.tree)
+        self.drafter_state = None
         self._executables: dict[tuple, tuple[Callable, ...]] = {}
 
     @property
@@ -362,6 +363,7 @@ class SpeculativeGenerator:
                 take(int(row), emitted[row, : n_host[row]].tolist())
                 steps[row] += 1
         decode_s = time.perf_counter() - start
+        self.drafter_state = state  # inspectable (e.g. Chimera's trigram cache counters)
         return [
             GenerationResult(list(p), out, n_steps, prefill_s, decode_s, compile_s)
             for p, out, n_steps in zip(prompts, outs, steps, strict=True)

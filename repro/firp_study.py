@@ -34,6 +34,7 @@ from infer.common import DRAFTERS_DIR, load_model, make_drafter
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.firp import pseudo_forward
 from jaxspec.drafters.store import load_drafter
+from repro.plots import plot_topk
 from train import firp as firp_train
 
 OUT = Path(__file__).resolve().parent / "results" / "firp"
@@ -125,7 +126,7 @@ def part_accuracy(args, model) -> dict:
         )["test_topk_accuracy"],
         "layers": list(firp.layers),
     }
-    plot_topk(result, ["firp", "medusa", "early-exit"], args.out / "accuracy.png")
+    plot_topk(result, ["firp", "medusa", "early-exit"], args.out / "accuracy.png", "step")
     return result
 
 
@@ -255,21 +256,6 @@ def part_trees(args, model) -> dict:
             result.setdefault(method, {})[tree] = round(tokens / steps, 3)
             print(method, tree, result[method][tree], flush=True)
     return result
-
-
-def plot_topk(result, names, path):
-    import matplotlib.pyplot as plt
-
-    K = len(result[names[0]])
-    fig, axes = plt.subplots(1, K, figsize=(3.2 * K, 3.2), sharey=True)
-    for i, ax in enumerate(np.atleast_1d(axes)):
-        for name in names:
-            ax.plot(range(1, 6), result[name][i], marker="o", label=name)
-        ax.set(title=f"step {i + 1}", xlabel="top-k")
-    np.atleast_1d(axes)[0].set_ylabel("agreement with greedy")
-    np.atleast_1d(axes)[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 PARTS = {

@@ -193,3 +193,42 @@ def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
         spec = tree_preset(tree) if isinstance(tree, str) else TreeSpec.from_paths(tree)
         gen = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, spec)
         assert gen.generate(prompt, 24).token_ids == ar
+
+
+def test_the_trigram_cache_changes_nothing_but_the_work():
+    """With a trigram cache the drafts are the same (same steps, same tokens), also with a
+    1-slot cache that keeps evicting; every committed trigram is looked up once."""
+    import dataclasses
+
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=3)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    tree = tree_preset("cpu-8")
+    plain = SpeculativeGenerator(cfg, params, drafter, dparams, tree).generate(prompt, 30)
+    for size in (64, 1):
+        cached = dataclasses.replace(drafter, cache_size=size)
+        gen = SpeculativeGenerator(cfg, params, cached, dparams, tree)
+        out = gen.generate(prompt, 30)
+        assert (out.token_ids, out.steps) == (plain.token_ids, plain.steps)
+        _, lookups = np.asarray(gen.drafter_state.lookups)
+        assert lookups == len(prompt) + len(out.token_ids)
+
+
+def test_the_trigram_cache_hits_a_repeated_trigram_with_the_encoder_value():
+    import dataclasses
+
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=2)
+    drafter = dataclasses.replace(drafter, cache_size=64)
+    seq = jnp.asarray([[5, 6, 7, 5, 6, 7]])
+    h = model_states(cfg, params, seq)
+    state = drafter.init_state(cfg, 1, 16, jnp.float32)
+    state = advance(drafter, params, dparams, state, seq[:, :3], 0, 3, h[:, :3], 5)
+    np.testing.assert_array_equal(state.lookups, [0, 4])  # (5,5,5) (5,5,6) (5,6,7) (6,7,5)
+    state = advance(drafter, params, dparams, state, seq[:, 3:5], 3, 2, h[:, 3:5], 7)
+    np.testing.assert_array_equal(state.lookups, [1, 6])  # (7,5,6) misses, (5,6,7) hits
+    # The cached keys/values equal the uncached drafter's.
+    plain = dataclasses.replace(drafter, cache_size=0)
+    ref = plain.init_state(cfg, 1, 16, jnp.float32)
+    ref = advance(plain, params, dparams, ref, seq[:, :5], 0, 5, h[:, :5], 7)
+    np.testing.assert_allclose(state.trigram_keys[:, :, :6], ref.trigram_keys[:, :, :6], atol=1e-5)

@@ -68,15 +68,16 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def sample_rows(features: dict, seqs: np.ndarray, n_rows: int, K: int, rng) -> np.ndarray:
-    """-> rows [len(seqs), n_rows]: answer positions i (K <= i, token i+1 in the answer)."""
+def row_range(features: dict, n: int, K: int) -> tuple[int, int]:
+    """Answer rows [low, high) of sequence n: K <= i and token i+1 in the answer."""
     starts = features.get("starts", np.ones_like(features["lengths"]))
-    rows = []
-    for n in seqs:
-        low = max(int(starts[n]) - 1, K)
-        high = max(int(features["lengths"][n]) - 1, low + 1)
-        rows.append(rng.integers(low, high, n_rows))
-    return np.stack(rows)
+    low = max(int(starts[n]) - 1, K)
+    return low, max(int(features["lengths"][n]) - 1, low + 1)
+
+
+def sample_rows(features: dict, seqs: np.ndarray, n_rows: int, K: int, rng) -> np.ndarray:
+    """-> rows [len(seqs), n_rows] drawn from each sequence's answer rows."""
+    return np.stack([rng.integers(*row_range(features, n, K), n_rows) for n in seqs])
 
 
 def batch_arrays(features: dict, seqs: np.ndarray, rows: np.ndarray, targets: str):
@@ -124,24 +125,27 @@ def train_step(state, base, tokens, hidden, rows, labels, weights, *, drafter, o
 
 
 @partial(jax.jit, static_argnames=("drafter",))
-def topk_hits(base, params, tokens, hidden, rows, labels, *, drafter):
-    """-> [K,5] hits at top-1..5 per head."""
+def topk_hits(base, params, tokens, hidden, rows, labels, valid, *, drafter):
+    """-> [K,5] hits at top-1..5 per head, counting rows where valid [B,R]."""
     logits = training_logits(drafter, base, params, tokens, hidden, rows)  # [B,R,K,V]
     ranks = jax.lax.top_k(logits, 5)[1]
     hit = jnp.cumsum(ranks == labels[:, :, None, None], axis=-1) > 0
-    return hit.sum((0, 1))
+    return (hit & valid[:, :, None, None]).sum((0, 1))
 
 
-def evaluate(drafter, base, params, features, rows_per_seq=64, seed=1) -> np.ndarray:
-    """Top-1..5 accuracy per head [K,5] at random answer rows of every test sequence."""
-    rng = np.random.default_rng(seed)
+def evaluate(drafter, base, params, features) -> np.ndarray:
+    """Top-1..5 accuracy per head [K,5] over every answer row of every test sequence."""
     hits, total = np.zeros((drafter.n_heads, 5)), 0
+    width = features["tokens"].shape[1]  # rows padded to one shape: one compilation
     for n in range(len(features["tokens"])):
-        seqs = np.array([n])
-        rows = sample_rows(features, seqs, rows_per_seq, drafter.n_heads, rng)
-        tokens, hidden, rows, labels = batch_arrays(features, seqs, rows, "self")
-        hits += np.asarray(topk_hits(base, params, tokens, hidden, rows, labels, drafter=drafter))
-        total += rows.size
+        low, high = row_range(features, n, drafter.n_heads)
+        rows = np.minimum(np.arange(low, low + width), high - 1)[None]
+        valid = jnp.asarray(np.arange(low, low + width) < high)[None]
+        tokens, hidden, rows, labels = batch_arrays(features, np.array([n]), rows, "self")
+        hits += np.asarray(
+            topk_hits(base, params, tokens, hidden, rows, labels, valid, drafter=drafter)
+        )
+        total += int(valid.sum())
     return hits / total
 
 

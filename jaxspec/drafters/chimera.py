@@ -26,6 +26,12 @@ The encoder keeps its own cache (`ChimeraState`): keys/values of every committed
 real state and trigram, written once when the token enters the model's cache, so the
 prefix is never re-encoded. Cost of drafting per step: the trigram encoder and one block
 for d tokens at depth d, and one vocabulary projection per depth.
+
+Trigram cache (`cache_size` > 0, the paper's §3.2.1): a direct-mapped table of trigram
+encodings keyed by the token triple (each slot keeps the most recent triple hashed to it),
+filled as tokens are committed and counted in `ChimeraState.lookups` (hits, lookups).
+When every trigram a computation needs is in the table the encoder MLP is skipped
+(`lax.cond`); drafting only reads the table.
 """
 
 from __future__ import annotations
@@ -55,6 +61,16 @@ class ChimeraState:
     real_values: jax.Array
     trigram_keys: jax.Array  # [B,K,S,H] ... of the trigram states T_j
     trigram_values: jax.Array
+    table: jax.Array | None = None  # [C, D+n] trigram cache: encoding, then the token ids
+    lookups: jax.Array | None = None  # [2] int32: cache hits, committed trigrams looked up
+
+
+def cache_slots(tokens_n: jax.Array, size: int) -> jax.Array:
+    """tokens_n [...,n] -> table slot [...] (a multiplicative hash of the ids)."""
+    h = jnp.zeros(tokens_n.shape[:-1], jnp.uint32)
+    for i in range(tokens_n.shape[-1]):
+        h = (h ^ tokens_n[..., i].astype(jnp.uint32)) * jnp.uint32(0x9E3779B1)
+    return (h % jnp.uint32(size)).astype(jnp.int32)
 
 
 def trigram_tokens(tokens: jax.Array, at: jax.Array, n: int = 3) -> jax.Array:
@@ -92,6 +108,7 @@ class ChimeraDrafter(Drafter):
     n_heads: int = 4
     ngram: int = 3
     residual: bool = True
+    cache_size: int = 0  # trigram cache entries (0: no cache)
 
     def __post_init__(self):
         if not 1 <= self.ngram <= 8 or self.n_heads < 1:
@@ -140,7 +157,28 @@ class ChimeraDrafter(Drafter):
         shape = (batch, cfg.n_kv_heads, max_len + SPARE_SLOTS, cfg.head_dim)
         zeros = lambda: jnp.zeros(shape, jnp.float32)  # noqa: E731
         tokens = jnp.zeros((batch, max_len + SPARE_SLOTS), jnp.int32)
-        return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros())
+        table = lookups = None
+        if self.cache_size:
+            table = jnp.full((self.cache_size, cfg.dim + self.ngram), -1.0, jnp.float32)
+            lookups = jnp.zeros((2,), jnp.int32)
+        return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros(), table, lookups)
+
+    def encode(self, params, drafter_params, tokens_n, table=None, needed=None):
+        """tokens_n [B,Q,n] -> (trigram states [B,Q,D], which were cache hits [B,Q]).
+        With a table, the encoder runs only if some `needed` [B,Q] trigram misses."""
+        compute = lambda: encode_trigrams(params, drafter_params["trigram"], tokens_n)  # noqa: E731
+        if table is None:
+            return compute(), jnp.zeros(tokens_n.shape[:-1], bool)
+        D = self.cfg.dim
+        entry = table[cache_slots(tokens_n, table.shape[0])]  # [B,Q,D+n]
+        hit = jnp.all(entry[..., D:] == tokens_n.astype(jnp.float32), -1)
+        needed = jnp.ones_like(hit) if needed is None else needed
+        states = jax.lax.cond(
+            jnp.all(hit | ~needed),
+            lambda: entry[..., :D],
+            lambda: jnp.where(hit[..., None], entry[..., :D], compute()),
+        )
+        return states, hit
 
     def advance(self, params, drafter_params, inputs: DraftInputs) -> ChimeraState:
         """Encode what entered the cache (real states at their positions, and the trigrams
@@ -159,9 +197,18 @@ class ChimeraDrafter(Drafter):
             self.cfg, positions))  # fmt: skip
         # Trigrams at start..start+M: the ones ending at each entered token and at current.
         tri_pos = new.start[:, None] + jnp.arange(M + 1)
-        tri = encode_trigrams(
-            params, drafter_params["trigram"], trigram_tokens(tokens, tri_pos, self.ngram)
-        )
+        tri_tokens = trigram_tokens(tokens, tri_pos, self.ngram)  # [B,M+1,n]
+        valid = tri_pos <= inputs.position[:, None]
+        tri, hit = self.encode(params, drafter_params, tri_tokens, st.table, valid)
+        table, lookups = st.table, st.lookups
+        if table is not None:
+            slots = cache_slots(tri_tokens, table.shape[0])
+            fresh = jnp.concatenate([tri, tri_tokens.astype(jnp.float32)], -1)
+            table = table.at[slots].set(jnp.where((valid & ~hit)[..., None], fresh, table[slots]))
+            new_here = valid & ((tri_pos > new.start[:, None]) | (tri_pos == 0))  # not counted yet
+            lookups = lookups + jnp.stack([(hit & new_here).sum(), new_here.sum()]).astype(
+                jnp.int32
+            )
         tri_k, tri_v = layer_kv(
             self.cfg, enc, rms_norm(tri, enc["input_layernorm"], self.cfg.norm_eps),
             *rope_tables(self.cfg, tri_pos),
@@ -172,6 +219,8 @@ class ChimeraDrafter(Drafter):
             write_rows(st.real_values, real_v, new.start),
             write_rows(st.trigram_keys, tri_k, new.start),
             write_rows(st.trigram_values, tri_v, new.start),
+            table,
+            lookups,
         )
 
     def draft_chain(self, params, drafter_params, inputs: DraftInputs, depth: int):
@@ -188,7 +237,7 @@ class ChimeraDrafter(Drafter):
         queries, logits, chain = [], [], []
         h_real = inputs.hidden[self.cfg.n_layers]
         for d in range(1, depth + 1):
-            queries.append(encode_trigrams(params, drafter_params["trigram"], window))
+            queries.append(self.encode(params, drafter_params, window[:, None], st.table)[0][:, 0])
             q = jnp.stack(queries, 1)  # [B,d,D]
             positions = p[:, None] + jnp.arange(d)
             seen = jnp.broadcast_to(context, (B, d, 2 * S))

@@ -1,0 +1,168 @@
+"""python -m repro.chimera_study PART: Chimera's analyses (paper §4.3-4.4) on the default model.
+
+Each part writes `<out>/<part>.json` and `<out>/<part>.png`:
+- accuracy (Table 5): per-head top-1..5 agreement with the base model's greedy tokens on
+  the test split, the shipped Chimera drafter vs the shipped Medusa drafter.
+- ngram (Table 7): the encoder over 1- to 5-grams.
+- residual (Fig. 6): heads on [h ; encoder] (residual) vs on the encoder alone.
+- distill: with and without the MSE distillation term (weight --distill-weight).
+- timeshare (Table 6): per verify step, the share of time spent verifying vs drafting,
+  measured by timing the step with the drafter and with drafting removed.
+
+Ablations are trained here with `jaxspec-train chimera` at a small budget (--steps,
+default 250, vs 1500 for the shipped drafter) on the same data; compare ablations with
+each other, not with the shipped drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+
+from infer.common import DRAFTERS_DIR, load_model, make_drafter
+from jaxspec.checkpoint import jaxspec_home
+from jaxspec.drafters.store import load_drafter
+from repro.plots import plot_topk
+from train import chimera as chimera_train
+from train import medusa as medusa_train
+from train.features import answer_features
+
+OUT = Path(__file__).resolve().parent / "results" / "chimera"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m repro.chimera_study", description=__doc__)
+    p.add_argument("part", choices=tuple(PARTS))
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--steps", type=int, default=250, help="updates per ablation run")
+    p.add_argument("--train-seqs", type=int, default=800, help="as the shipped drafter")
+    p.add_argument("--test-seqs", type=int, default=60)
+    p.add_argument("--distill-weight", type=float, default=0.1)
+    p.add_argument("--repeats", type=int, default=30, help="timed steps (timeshare)")
+    return p.parse_args(argv)
+
+
+def shipped(model, method):
+    settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+    return make_drafter(method, model.cfg, settings), params
+
+
+def test_features(model, args):
+    root = jaxspec_home() / "train" / model.cfg.name
+    return answer_features(model, root, "test", args.test_seqs, 128, 192)
+
+
+def train_variant(args, tag: str, flags: list[str]) -> dict:
+    """A small ablation run (cached by tag) -> its report."""
+    out = jaxspec_home() / "repro" / "chimera" / tag
+    report_file = out / "report.json"
+    if report_file.is_file():
+        report = json.loads(report_file.read_text())
+        if report.get("steps") == args.steps:
+            return report
+    report = chimera_train.train(
+        ["--out", str(out), "--steps", str(args.steps), "--train-seqs", str(args.train_seqs),
+         "--test-seqs", str(args.test_seqs), "--batch", "8", "--rows", "32", *flags]
+    )  # fmt: skip
+    report_file.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def part_accuracy(args, model) -> dict:
+    features = test_features(model, args)
+    chimera, c_params = shipped(model, "chimera")
+    medusa, m_params = shipped(model, "medusa")
+    result = {
+        "chimera": chimera_train.evaluate(chimera, model.params, c_params, features).tolist(),
+        "medusa": medusa_train.evaluate(medusa, model.params, m_params, features, "self").tolist(),
+    }
+    plot_topk(result, ["chimera", "medusa"], args.out / "accuracy.png")
+    return result
+
+
+def part_ngram(args, model) -> dict:
+    result = {}
+    for n in (1, 2, 3, 4, 5):
+        report = train_variant(args, f"ngram-{n}", ["--ngram", str(n)])
+        result[f"{n}-gram"] = report["test_topk_accuracy"]
+    plot_topk(result, list(result), args.out / "ngram.png")
+    return result
+
+
+def part_residual(args, model) -> dict:
+    result = {
+        "residual": train_variant(args, "ngram-3", ["--ngram", "3"])["test_topk_accuracy"],
+        "no residual": train_variant(args, "no-residual", ["--no-residual"])["test_topk_accuracy"],
+    }
+    plot_topk(result, list(result), args.out / "residual.png")
+    return result
+
+
+def part_distill(args, model) -> dict:
+    w = str(args.distill_weight)
+    result = {
+        "without": train_variant(args, "ngram-3", ["--ngram", "3"])["test_topk_accuracy"],
+        f"MSE weight {w}": train_variant(args, f"distill-{w}", ["--distill", w])[
+            "test_topk_accuracy"
+        ],
+    }
+    plot_topk(result, list(result), args.out / "distill.png")
+    return result
+
+
+def part_timeshare(args, model) -> dict:
+    """Time one verify step with Chimera drafting and with drafting removed (NoDrafter on
+    the same tree): the difference is the drafting time."""
+    from jaxspec.decode import NoDrafter, SpeculativeGenerator
+    from jaxspec.text import encode_prompt
+    from jaxspec.tree import TreeSpec
+
+    chimera, params = shipped(model, "chimera")
+    settings, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg)
+    prompt = encode_prompt(model.tokenizer, "Explain how a bicycle gear works.")
+    result = {}
+    for tree_name in ("chain-1", "searched-8", "searched-16"):
+        paths = settings["trees"].get(tree_name, [[0]])
+        tree = TreeSpec.from_paths(paths)
+        times = {}
+        for label, drafter, dparams in (("step", chimera, params), ("verify", NoDrafter(), None)):
+            gen = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, tree)
+            gen.generate(prompt, 8)  # compile and warm up
+            runs = [gen.generate(prompt, args.repeats) for _ in range(3)]
+            times[label] = min(r.decode_s / r.steps for r in runs)
+        share = 1 - times["verify"] / times["step"]
+        result[tree_name] = {
+            "ms_per_step": round(times["step"] * 1e3, 2),
+            "ms_verify_only": round(times["verify"] * 1e3, 2),
+            "draft_share": round(share, 3),
+        }
+        print(tree_name, result[tree_name], flush=True)
+    result["device"] = jax.devices()[0].device_kind
+    result["measured"] = time.strftime("%Y-%m-%d")
+    return result
+
+
+PARTS = {
+    "accuracy": part_accuracy,
+    "ngram": part_ngram,
+    "residual": part_residual,
+    "distill": part_distill,
+    "timeshare": part_timeshare,
+}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = load_model()
+    result = PARTS[args.part](args, model)
+    (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
