@@ -69,7 +69,11 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
         from jaxspec.drafters.chimera import ChimeraDrafter
 
         return ChimeraDrafter(
-            cfg, settings["n_heads"], settings.get("ngram", 3), settings.get("residual", True)
+            cfg,
+            settings["n_heads"],
+            settings.get("ngram", 3),
+            settings.get("residual", True),
+            settings.get("cache_size", 0),
         )
     from jaxspec.drafters.firp import FirpDrafter
 

@@ -21,7 +21,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_CACHE_LEN, MIN_PROMPT_BUCKET, GenerationResult, bucket
 from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
-from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.llama import embed, final_norm, lm_logits, run_layers, vocab_projection
 from jaxspec.sampling import Sampling, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
@@ -31,6 +31,11 @@ from jaxspec.verify import (
     gather_path,
     tree_tokens,
 )
+
+# Verify rows + drafter rows projected together up to this many rows per batch row: on
+# XLA:CPU a [rows, D] x [D, V] product costs about the same from 2 to ~16 rows and ~1.6x
+# that at 32, so one read of the [V, D] matrix beats two up to here.
+FUSED_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +59,9 @@ class DraftInputs:
     the cache; position [B]: its position; emitted [B,E] / n_emitted [B]: tokens this
     step produced (E = max depth + 1; the last valid one is `current`); drafted: what the
     drafter's own `run_model` computed for that node (FIRP: pseudo states), else None;
-    entered: what joined the cache this round; state: the drafter's own (see Drafter).
+    entered: what joined the cache this round; state: the drafter's own (see Drafter);
+    draft_logits [B,R,V]: the vocabulary projection of the drafter's `projected_rows` at
+    that node, when the step computed it together with the verify logits.
     """
 
     hidden: dict[int, jax.Array]
@@ -65,6 +72,7 @@ class DraftInputs:
     drafted: jax.Array | None = None
     entered: Entered | None = None
     state: object = None
+    draft_logits: jax.Array | None = None
 
 
 class Drafter:
@@ -98,6 +106,13 @@ class Drafter:
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
         raise NotImplementedError
+
+    def projected_rows(self, params, drafter_params, h, drafted, depth: int):
+        """h [B,T,D] last-layer states of every tree node, drafted: run_model's drafts ->
+        [B,T,R,D] vectors whose vocabulary projection `propose` will need at the accepted
+        node (the step projects them with the verify rows: the [V,D] matrix is read once
+        instead of twice), or None."""
+        return None
 
     def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype):
         return None
@@ -194,7 +209,14 @@ def speculative_step(
         params, drafter_params, cfg, embed(params, tokens), positions, cache, mask, every_node,
         collect, tree.max_depth,
     )  # fmt: skip
-    logits = lm_logits(params, cfg, states[cfg.n_layers])  # [B,T,V]
+    h = states[cfg.n_layers]
+    rows = drafter.projected_rows(params, drafter_params, h, drafted, tree.max_depth)
+    if rows is not None and tree.n_nodes * (1 + rows.shape[2]) <= FUSED_ROWS:
+        x = jnp.concatenate([final_norm(params, cfg, h)[:, :, None], rows.astype(h.dtype)], 2)
+        projected = vocab_projection(params, cfg, x)  # [B,T,1+R,V]
+        logits, row_logits = projected[:, :, 0], projected[:, :, 1:]
+    else:
+        logits, row_logits = lm_logits(params, cfg, h), None  # [B,T,V]
     keys = position_keys(key, cache.lengths)
     if sampling.greedy:
         nodes, n_accepted, bonus = accept_greedy(tree, tokens, logits)
@@ -212,12 +234,15 @@ def speculative_step(
     at_last = lambda x: jnp.take_along_axis(x, last.reshape((B,) + (1,) * (x.ndim - 1)), 1)[:, 0]  # noqa: E731
     h_at = {i: at_last(h) for i, h in states.items()}
     drafted = None if drafted is None else at_last(drafted)
+    draft_logits = None if row_logits is None else at_last(row_logits)
     on_path = lambda x: jnp.take_along_axis(x, nodes[:, :, None], axis=1)  # noqa: E731
     entered = Entered(
         path_tokens, cache.lengths, n_emitted, {i: on_path(h) for i, h in states.items()}
     )
     position = cache.lengths + n_emitted
-    inputs = DraftInputs(h_at, bonus, position, emitted, n_emitted, drafted, entered, state)
+    inputs = DraftInputs(
+        h_at, bonus, position, emitted, n_emitted, drafted, entered, state, draft_logits
+    )
     candidates, state = _draft(drafter, params, drafter_params, tree, inputs, key)
     return emitted, n_emitted, bonus, candidates, gather_path(block, nodes), state
 

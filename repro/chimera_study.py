@@ -8,6 +8,8 @@ Each part writes `<out>/<part>.json` and `<out>/<part>.png`:
 - distill: with and without the MSE distillation term (weight --distill-weight).
 - timeshare (Table 6): per verify step, the share of time spent verifying vs drafting,
   measured by timing the step with the drafter and with drafting removed.
+- cache: the trigram cache's hit rate and its effect on step time (sizes 0, 4096, 65536)
+  generating answers to the first question of each Spec-Bench category (--questions).
 
 Ablations are trained here with `jaxspec-train chimera` at a small budget (--steps,
 default 250, vs 1500 for the shipped drafter) on the same data; compare ablations with
@@ -43,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--test-seqs", type=int, default=60)
     p.add_argument("--distill-weight", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=30, help="timed steps (timeshare)")
+    p.add_argument("--questions", help="Spec-Bench .jsonl (cache part)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
     return p.parse_args(argv)
 
 
@@ -146,12 +150,49 @@ def part_timeshare(args, model) -> dict:
     return result
 
 
+def part_cache(args, model) -> dict:
+    import dataclasses
+
+    from infer.bench import select
+    from jaxspec.data.sources import load_questions
+    from jaxspec.decode import SpeculativeGenerator
+    from jaxspec.text import encode_prompt
+    from jaxspec.tree import tree_preset
+
+    if not args.questions:
+        raise SystemExit("the cache part needs --questions PATH.jsonl (Spec-Bench)")
+    prompts = [
+        encode_prompt(model.tokenizer, q.turns[0])
+        for q in select(load_questions(args.questions), None, 1)
+    ]
+    chimera, params = shipped(model, "chimera")
+    result = {}
+    for size in (0, 4096, 65536):
+        drafter = dataclasses.replace(chimera, cache_size=size)
+        gen = SpeculativeGenerator(model.cfg, model.params, drafter, params, tree_preset("chain-1"))
+        gen.generate(prompts[0], 8)  # compile and warm up
+        seconds = steps = hits = lookups = 0
+        for prompt in prompts:
+            run = gen.generate(prompt, args.max_new_tokens)
+            seconds, steps = seconds + run.decode_s, steps + run.steps - 1
+            if size:
+                h, n = (int(x) for x in gen.drafter_state.lookups)
+                hits, lookups = hits + h, lookups + n
+        result[str(size)] = {
+            "ms_per_step": round(1e3 * seconds / steps, 2),
+            "hit_rate": round(hits / lookups, 3) if size else None,
+        }
+        print(size, result[str(size)], flush=True)
+    return result
+
+
 PARTS = {
     "accuracy": part_accuracy,
     "ngram": part_ngram,
     "residual": part_residual,
     "distill": part_distill,
     "timeshare": part_timeshare,
+    "cache": part_cache,
 }
 
 

@@ -20,6 +20,7 @@ from jaxspec.drafters.firp import (
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, init_params, run_layers
+from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 from tests.test_speculative import tiny
 
@@ -170,3 +171,46 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
     spec = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, tree_preset("chain-2"))
     assert spec.generate(prompt, 24).token_ids == ar
+
+
+@dataclasses.dataclass(frozen=True)
+class UnfusedFirp(FirpDrafter):
+    def projected_rows(self, params, drafter_params, h, drafted, depth):
+        return None  # the drafter projects its own rows, after the verify logits
+
+
+@pytest.mark.parametrize("tree_name", ["chain-2", "cpu-8"])
+def test_projecting_drafts_with_the_verify_rows_changes_nothing(tree_name):
+    """The step projects FIRP's pseudo chains together with the verify rows (one read of
+    the vocabulary matrix); its outputs and next drafts equal the separate projection's."""
+    from jaxspec.decode import speculative_step
+    from jaxspec.kv_cache import commit, init_cache
+
+    cfg, params = deeper("tiny-gqa")
+    maps = random_maps(cfg, 3)
+    tree = tree_preset(tree_name)
+    prompt = jnp.asarray([[5, 6, 7, 8, 9, 10]])
+    cache = init_cache(cfg, 1, 32)
+    _, block, _ = run_layers(
+        params, cfg, embed(params, prompt), jnp.arange(6)[None], None, causal_mask(1, 6)
+    )
+    cache = commit(cache, block, jnp.asarray([6]))
+    candidates = jax.random.randint(jax.random.key(2), (1, tree.n_nodes - 1), 0, cfg.vocab_size)
+    outs = [
+        speculative_step(
+            params,
+            maps,
+            cache,
+            jnp.asarray([11]),
+            candidates,
+            jax.random.key(0),
+            None,
+            cfg=cfg,
+            sampling=Sampling(),
+            tree=tree,
+            drafter=cls(cfg, (1, 2, 3)),
+        )  # fmt: skip
+        for cls in (FirpDrafter, UnfusedFirp)
+    ]
+    for fused, separate in zip(outs[0][:4], outs[1][:4], strict=True):
+        np.testing.assert_array_equal(fused, separate)

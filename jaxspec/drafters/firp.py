@@ -26,7 +26,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
-from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.llama import embed, final_norm, lm_logits, run_layers
 from jaxspec.tree import TreeSpec
 
 
@@ -123,8 +123,14 @@ class FirpDrafter(Drafter):
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
-        logits = lm_logits(params, self.cfg, inputs.drafted[:, : tree.max_depth])  # [B,d,V]
+        logits = inputs.draft_logits  # [B,d,V] when the step projected the chains already
+        if logits is None:
+            logits = lm_logits(params, self.cfg, inputs.drafted[:, : tree.max_depth])
         return tree_candidates(logits, tree)
+
+    def projected_rows(self, params, drafter_params, h, drafted, depth):
+        """Every node's pseudo chain, normed: [B,T,K,D]."""
+        return None if depth == 0 else final_norm(params, self.cfg, drafted[:, :, :depth])
 
 
 def real_context(params, cfg: LlamaConfig, tokens, layers):

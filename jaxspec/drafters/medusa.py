@@ -42,19 +42,29 @@ class MedusaDrafter(Drafter):
                 head["lm_head"] = jnp.array(lm)
         return {"heads": heads}
 
-    def head_logits(self, base_params, params, h: jax.Array, n_heads: int | None = None):
-        """h [...,D] pre-norm last-layer states -> logits [...,K,V] float32 of the first
-        n_heads heads (default all)."""
+    def head_vectors(self, base_params, params, h: jax.Array, n_heads: int | None = None):
+        """h [...,D] pre-norm last-layer states -> the first n_heads heads' ResBlock
+        outputs [...,K,D] (default all heads)."""
         heads = params["heads"][: n_heads or self.n_heads]
         x = final_norm(base_params, self.cfg, h)
-        ys = [x + jax.nn.silu(x @ head["w"] + head["b"]) for head in heads]
-        if "lm_head" in heads[0]:
+        return jnp.stack([x + jax.nn.silu(x @ head["w"] + head["b"]) for head in heads], -2)
+
+    def head_logits(self, base_params, params, h: jax.Array, n_heads: int | None = None):
+        """h [...,D] pre-norm last-layer states -> logits [...,K,V] float32."""
+        ys = self.head_vectors(base_params, params, h, n_heads)
+        if self.own_lm_head:
+            heads = params["heads"][: ys.shape[-2]]
             return jnp.stack(
-                [(y @ hd["lm_head"]).astype(jnp.float32) for y, hd in zip(ys, heads, strict=True)],
+                [(ys[..., k, :] @ hd["lm_head"]).astype(jnp.float32) for k, hd in enumerate(heads)],
                 -2,
             )
         # One projection for all heads: the [V,D] matrix is read once, not once per head.
-        return vocab_projection(base_params, self.cfg, jnp.stack(ys, axis=-2))
+        return vocab_projection(base_params, self.cfg, ys)
+
+    def projected_rows(self, params, drafter_params, h, drafted, depth):
+        if self.own_lm_head or depth == 0:
+            return None
+        return self.head_vectors(params, drafter_params, h, depth)
 
     def check_tree(self, tree: TreeSpec) -> None:
         if tree.max_depth > self.n_heads:
@@ -66,6 +76,8 @@ class MedusaDrafter(Drafter):
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
-        hidden = inputs.hidden[self.cfg.n_layers]
-        logits = self.head_logits(params, drafter_params, hidden, tree.max_depth)  # [B,d,V]
+        logits = inputs.draft_logits  # [B,d,V] when the step projected the heads already
+        if logits is None:
+            hidden = inputs.hidden[self.cfg.n_layers]
+            logits = self.head_logits(params, drafter_params, hidden, tree.max_depth)
         return tree_candidates(logits, tree)
