@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -13,6 +14,18 @@ def run_name(args) -> str:
     with different ones starts fresh (more --steps continue the same run)."""
     flags = {k: v for k, v in vars(args).items() if k not in ("save_every", "out", "steps")}
     return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
+
+
+def run_record(work: Path, args, update: dict | None = None) -> dict:
+    """What the run's training part measured (final losses, minutes), kept beside its
+    checkpoints so that a rerun after the last step still reports it."""
+    path = work / "checkpoints" / run_name(args) / "record.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    if update:
+        record.update(update)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    return record
 
 
 def resume(work: Path, args, state):

@@ -34,7 +34,7 @@ from jaxspec.drafters.chimera import ChimeraDrafter, encoder_outputs, training_l
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
-from train.checkpoints import resume, save
+from train.checkpoints import resume, run_record, save
 from train.features import answer_features
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -173,7 +173,8 @@ def train(argv) -> dict:
     if resumed:
         print(f"resumed from step {int(state['step'])}")
     weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
-    bar = tqdm(range(int(state["step"]), args.steps), desc="train chimera", unit="step")
+    first_step = int(state["step"])
+    bar = tqdm(range(first_step, args.steps), desc="train chimera", unit="step")
     losses, mse = jnp.zeros(args.heads), jnp.float32(0)
     for step in bar:
         rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
@@ -188,6 +189,14 @@ def train(argv) -> dict:
             bar.set_postfix(loss=shown, **({"mse": f"{float(mse):.3f}"} if args.distill else {}))
         save(manager, step + 1, state)
     manager.wait_until_finished()
+    record = run_record(work, args)
+    if first_step < args.steps:  # this invocation trained: record what it measured
+        minutes = (time.perf_counter() - start_time) / 60 + record.get("train_minutes", 0.0)
+        record = run_record(work, args, {
+            "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
+            "final_distill_mse": round(float(mse), 4),
+            "train_minutes": round(minutes, 1),
+        })  # fmt: skip
 
     accuracy = evaluate(drafter, model.params, state["params"], test_f)
     settings = {
@@ -198,10 +207,8 @@ def train(argv) -> dict:
     }
     report = {
         "steps": int(state["step"]),
-        "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
-        "final_distill_mse": round(float(mse), 4),
+        **record,
         "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
-        "train_minutes": round((time.perf_counter() - start_time) / 60, 1),
     }
     params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
     save_drafter(out, "chimera", settings, params16, cfg, card(args, cfg, report))
@@ -212,9 +219,9 @@ def train(argv) -> dict:
 
 def card(args, cfg, report) -> str:
     flags = " ".join(
-        f"--{k.replace('_', '-')} {v}"
+        f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
         for k, v in vars(args).items()
-        if v is not None and k not in ("model", "out", "work_dir")
+        if v is not None and v is not False and k not in ("model", "out", "work_dir")
     )
     rows = "\n".join(
         f"| {k + 1} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
@@ -231,9 +238,9 @@ def card(args, cfg, report) -> str:
   <= {args.new_tokens}).
 - Training: {report["steps"]} steps of {args.batch} sequences x {args.rows} answer rows,
   targets `{args.targets}`, AdamW lr {args.lr} cosine, head weights {args.decay}**d,
-  distillation weight {args.distill}; {report["train_minutes"]} minutes end to end on the
-  machine that trained it.
-- Final training loss per head: {report["final_loss_per_head"]}
+  distillation weight {args.distill}; {report.get("train_minutes")} minutes of training on
+  the machine that trained it.
+- Final training loss per head: {report.get("final_loss_per_head")}
 - Command: `jaxspec-train chimera {flags}`
 
 Test-split accuracy ({args.test_seqs} ShareGPT test conversations), top-1..5 against the
