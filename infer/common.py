@@ -96,6 +96,7 @@ def build_generator(
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
     drafter = make_drafter(method, model.cfg, settings)
+    drafter_params = drafter.prepare(model.params, drafter_params, settings)
     spec = resolve_tree(tree or default_tree(settings), settings)
     return SpeculativeGenerator(
         model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len

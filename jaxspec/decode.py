@@ -114,6 +114,11 @@ class Drafter:
         instead of twice), or None."""
         return None
 
+    def prepare(self, params, drafter_params, settings: dict):
+        """-> the drafter params used for generation, from the loaded ones and the
+        drafter's settings (e.g. tables derived from the base model's weights)."""
+        return drafter_params
+
     def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype):
         return None
 

@@ -232,3 +232,45 @@ def test_the_trigram_cache_hits_a_repeated_trigram_with_the_encoder_value():
     ref = plain.init_state(cfg, 1, 16, jnp.float32)
     ref = advance(plain, params, dparams, ref, seq[:, :5], 0, 5, h[:, :5], 7)
     np.testing.assert_allclose(state.trigram_keys[:, :, :6], ref.trigram_keys[:, :, :6], atol=1e-5)
+
+
+def test_a_draft_vocabulary_limits_the_drafts_not_the_output():
+    """Heads projecting onto a subset of the vocabulary draft only its tokens and stay
+    lossless; with the whole vocabulary (in any order) they draft what the full heads do."""
+    from jaxspec.decode import speculative_step
+    from jaxspec.kv_cache import commit, init_cache
+    from jaxspec.sampling import Sampling
+
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=3)
+    tree = tree_preset("cpu-8")
+    subset = list(range(0, cfg.vocab_size, 3))
+    limited = drafter.prepare(params, dparams, {"draft_vocab": subset})
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 30).token_ids
+    assert (
+        SpeculativeGenerator(cfg, params, drafter, limited, tree).generate(prompt, 30).token_ids
+        == ar
+    )
+
+    def next_drafts(dp):
+        state = drafter.init_state(cfg, 1, 32, jnp.float32)
+        h = model_states(cfg, params, jnp.asarray([prompt]))
+        state = advance(drafter, params, dp, state, jnp.asarray([prompt]), 0, 5, h, 11)
+        cache = init_cache(cfg, 1, 32)
+        _, block, _ = run_layers(
+            params, cfg, embed(params, jnp.asarray([prompt])), jnp.arange(5)[None], None,
+            causal_mask(1, 5),
+        )  # fmt: skip
+        cache = commit(cache, block, jnp.asarray([5]))
+        candidates = jnp.zeros((1, tree.n_nodes - 1), jnp.int32)
+        out = speculative_step(
+            params, dp, cache, jnp.asarray([11]), candidates, jax.random.key(0), state,
+            cfg=cfg, sampling=Sampling(), tree=tree, drafter=drafter,
+        )  # fmt: skip
+        return np.asarray(out[3])
+
+    assert np.isin(next_drafts(limited), subset).all()
+    shuffled = np.random.default_rng(0).permutation(cfg.vocab_size).tolist()
+    everything = drafter.prepare(params, dparams, {"draft_vocab": shuffled})
+    np.testing.assert_array_equal(next_drafts(everything), next_drafts(dparams))

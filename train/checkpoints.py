@@ -12,7 +12,8 @@ import orbax.checkpoint as ocp
 def run_name(args) -> str:
     """Checkpoints live per training setting: a rerun with the same flags resumes, a run
     with different ones starts fresh (more --steps continue the same run)."""
-    flags = {k: v for k, v in vars(args).items() if k not in ("save_every", "out", "steps")}
+    after_training = ("save_every", "out", "steps", "draft_vocab")  # do not change the weights
+    flags = {k: v for k, v in vars(args).items() if k not in after_training}
     return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
 
 

@@ -32,6 +32,11 @@ encodings keyed by the token triple (each slot keeps the most recent triple hash
 filled as tokens are committed and counted in `ChimeraState.lookups` (hits, lookups).
 When every trigram a computation needs is in the table the encoder MLP is skipped
 (`lax.cond`); drafting only reads the table.
+
+Draft vocabulary (settings["draft_vocab"]: token ids, e.g. the most frequent answer
+tokens): the heads project onto those rows of the lm_head only (`prepare` gathers them
+once), so drafting reads a fraction of the [V,D] matrix; drafts outside it are never
+proposed, which costs acceptance only, never exactness.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class ChimeraState:
     real_values: jax.Array
     trigram_keys: jax.Array  # [B,K,S,H] ... of the trigram states T_j
     trigram_values: jax.Array
+    newest: jax.Array  # [B,D] the trigram state ending at the current token
     table: jax.Array | None = None  # [C, D+n] trigram cache: encoding, then the token ids
     lookups: jax.Array | None = None  # [2] int32: cache hits, committed trigrams looked up
 
@@ -144,7 +150,23 @@ class ChimeraDrafter(Drafter):
             x = jnp.concatenate([final_norm(base_params, self.cfg, h_real), x], -1)
         x = x.astype(jnp.float32)
         p = params["heads"][head - 1]
-        return vocab_projection(base_params, self.cfg, x @ p["w"] + p["b"])
+        y = x @ p["w"] + p["b"]
+        if "vocab" in params:  # [V',D] rows of the lm_head: logits over the draft vocabulary
+            return jnp.einsum("...d,vd->...v", y, params["vocab"]["matrix"]).astype(jnp.float32)
+        return vocab_projection(base_params, self.cfg, y)
+
+    def prepare(self, params, drafter_params, settings):
+        if not settings.get("draft_vocab"):
+            return drafter_params
+        ids = jnp.asarray(settings["draft_vocab"], jnp.int32)
+        lm = params["embed_tokens"] if self.cfg.tie_embeddings else params["lm_head"].T  # [V,D]
+        return {**drafter_params, "vocab": {"ids": ids, "matrix": jnp.take(lm, ids, axis=0)}}
+
+    def to_tokens(self, drafter_params, index: jax.Array) -> jax.Array:
+        """Indices into the heads' logits -> token ids."""
+        if "vocab" in drafter_params:
+            return drafter_params["vocab"]["ids"][index]
+        return index.astype(jnp.int32)
 
     def check_tree(self, tree: TreeSpec) -> None:
         if tree.max_depth > self.n_heads:
@@ -157,11 +179,12 @@ class ChimeraDrafter(Drafter):
         shape = (batch, cfg.n_kv_heads, max_len + SPARE_SLOTS, cfg.head_dim)
         zeros = lambda: jnp.zeros(shape, jnp.float32)  # noqa: E731
         tokens = jnp.zeros((batch, max_len + SPARE_SLOTS), jnp.int32)
+        newest = jnp.zeros((batch, cfg.dim), jnp.float32)
         table = lookups = None
         if self.cache_size:
             table = jnp.full((self.cache_size, cfg.dim + self.ngram), -1.0, jnp.float32)
             lookups = jnp.zeros((2,), jnp.int32)
-        return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros(), table, lookups)
+        return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros(), newest, table, lookups)
 
     def encode(self, params, drafter_params, tokens_n, table=None, needed=None):
         """tokens_n [B,Q,n] -> (trigram states [B,Q,D], which were cache hits [B,Q]).
@@ -219,6 +242,7 @@ class ChimeraDrafter(Drafter):
             write_rows(st.real_values, real_v, new.start),
             write_rows(st.trigram_keys, tri_k, new.start),
             write_rows(st.trigram_values, tri_v, new.start),
+            jnp.take_along_axis(tri, new.count[:, None, None], axis=1)[:, 0],  # at position
             table,
             lookups,
         )
@@ -237,7 +261,11 @@ class ChimeraDrafter(Drafter):
         queries, logits, chain = [], [], []
         h_real = inputs.hidden[self.cfg.n_layers]
         for d in range(1, depth + 1):
-            queries.append(self.encode(params, drafter_params, window[:, None], st.table)[0][:, 0])
+            if d == 1:  # the trigram ending at x_p: `advance` just encoded it
+                queries.append(st.newest)
+            else:
+                encoded, _ = self.encode(params, drafter_params, window[:, None], st.table)
+                queries.append(encoded[:, 0])
             q = jnp.stack(queries, 1)  # [B,d,D]
             positions = p[:, None] + jnp.arange(d)
             seen = jnp.broadcast_to(context, (B, d, 2 * S))
@@ -246,7 +274,7 @@ class ChimeraDrafter(Drafter):
                 self.cfg, enc, q, *rope_tables(self.cfg, positions), context_k, context_v, mask
             )
             logits.append(self.head_logits(params, drafter_params, h_real, out[:, -1], d))
-            chain.append(jnp.argmax(logits[-1], -1).astype(jnp.int32))
+            chain.append(self.to_tokens(drafter_params, jnp.argmax(logits[-1], -1)))
             window = jnp.concatenate([window[:, 1:], chain[-1][:, None]], axis=1)
         return jnp.stack(logits, 1), jnp.stack(chain, 1)
 
@@ -254,7 +282,7 @@ class ChimeraDrafter(Drafter):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
         logits, _ = self.draft_chain(params, drafter_params, inputs, tree.max_depth)
-        return tree_candidates(logits, tree)
+        return self.to_tokens(drafter_params, tree_candidates(logits, tree))
 
 
 def encoder_context(drafter: ChimeraDrafter, base_params, params, tokens, hidden):
