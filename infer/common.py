@@ -74,6 +74,7 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
             settings.get("ngram", 3),
             settings.get("residual", True),
             settings.get("cache_size", 0),
+            settings.get("full_heads", False),
         )
     from jaxspec.drafters.firp import FirpDrafter
 

@@ -274,3 +274,21 @@ def test_a_draft_vocabulary_limits_the_drafts_not_the_output():
     shuffled = np.random.default_rng(0).permutation(cfg.vocab_size).tolist()
     everything = drafter.prepare(params, dparams, {"draft_vocab": shuffled})
     np.testing.assert_array_equal(next_drafts(everything), next_drafts(dparams))
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_full_heads_start_as_the_factorised_heads(residual):
+    """Linear(2D->V) initialised [W_lm ; W_lm] computes what Linear(2D->D) = [I ; I]
+    followed by the lm_head computes (the paper's head and our default)."""
+    import dataclasses
+
+    cfg, params = tiny()
+    small = ChimeraDrafter(cfg, 2, residual=residual)
+    full = dataclasses.replace(small, full_heads=True)
+    h_real, h_enc = jax.random.normal(jax.random.key(1), (2, 3, cfg.dim))
+    for head in (1, 2):
+        np.testing.assert_allclose(
+            full.head_logits(params, full.init(params), h_real, h_enc, head),
+            small.head_logits(params, small.init(params), h_real, h_enc, head),
+            rtol=1e-4, atol=1e-4,
+        )  # fmt: skip

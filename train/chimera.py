@@ -52,6 +52,9 @@ def parse_args(argv):
     p.add_argument(
         "--no-residual", action="store_true", help="heads see only the encoder (Fig. 6 ablation)"
     )
+    p.add_argument(
+        "--full-heads", action="store_true", help="each head a full Linear(2D->V) (large)"
+    )
     p.add_argument("--train-seqs", type=int, default=400)
     p.add_argument("--test-seqs", type=int, default=40)
     p.add_argument("--prompt-len", type=int, default=128, help="longest prompt")
@@ -181,7 +184,9 @@ def train(argv) -> dict:
         model, feature_root, "test", args.test_seqs, args.prompt_len, args.new_tokens
     )
 
-    drafter = ChimeraDrafter(cfg, args.heads, args.ngram, not args.no_residual)
+    drafter = ChimeraDrafter(
+        cfg, args.heads, args.ngram, not args.no_residual, full_heads=args.full_heads
+    )
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
     params = drafter.init(model.params)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
@@ -219,6 +224,7 @@ def train(argv) -> dict:
         "n_heads": args.heads,
         "ngram": args.ngram,
         "residual": not args.no_residual,
+        "full_heads": args.full_heads,
         "trees": searched_trees(accuracy),
     }
     coverage = None
@@ -256,9 +262,10 @@ def card(args, cfg, report) -> str:
     return f"""# Chimera drafter for {cfg.name}
 
 - {args.ngram}-gram encoder (ResBlock + Linear to D), full-context encoder (one Llama
-  decoder layer, initialised from the base model's last layer), {args.heads}
-  {"heads on the encoder only" if args.no_residual else "residual heads (Linear(2D->D)"}
-  + the frozen lm_head). Weights stored in float16.
+  decoder layer, initialised from the base model's last layer), {args.heads} heads on
+  {"the encoder's output" if args.no_residual else "[h ; encoder output] (residual)"},
+  {"each a full Linear to V" if args.full_heads else "each a Linear to D + the frozen lm_head"}.
+  Weights stored in float16.
 - Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
   ShareGPT train-split conversations (prompts <= {args.prompt_len} tokens, answers
   <= {args.new_tokens}).

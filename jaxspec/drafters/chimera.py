@@ -12,6 +12,8 @@ Modules (D the base model's width):
 - residual heads: head d maps [norm(h) ; norm(ĥ)] (2D) by Linear(2D->D), initialised
   [I ; I], into the frozen lm_head: initially the function of the paper's [W_lm, W_lm].
   `residual=False` (the paper's Fig. 6 ablation) drops h: Linear(D->D) on norm(ĥ).
+  `full_heads=True` gives each head the paper's own Linear(2D->V), initialised
+  [W_lm ; W_lm] (V x 2D per head: larger than the base model at V=49152, D=576).
 
 Drafting after a verify step, with current token x_p (position p, not yet in the model's
 cache) and the model's state h_{p-1} that predicted it: the trigram query q_1 ending at
@@ -115,6 +117,7 @@ class ChimeraDrafter(Drafter):
     ngram: int = 3
     residual: bool = True
     cache_size: int = 0  # trigram cache entries (0: no cache)
+    full_heads: bool = False
 
     def __post_init__(self):
         if not 1 <= self.ngram <= 8 or self.n_heads < 1:
@@ -131,6 +134,11 @@ class ChimeraDrafter(Drafter):
         D, n = self.cfg.dim, self.ngram
         eye = jnp.eye(D)
         head_w = jnp.concatenate([eye, eye]) if self.residual else eye
+        if self.full_heads:  # [W_lm ; W_lm]: the factorised heads' initial function
+            lm = (
+                base_params["embed_tokens"].T if self.cfg.tie_embeddings else base_params["lm_head"]
+            )
+            head_w = jnp.concatenate([lm, lm]) if self.residual else jnp.array(lm)
         return {
             "trigram": {
                 "res_w": jnp.zeros((n * D, n * D)),
@@ -139,7 +147,9 @@ class ChimeraDrafter(Drafter):
                 "b": jnp.zeros((D,)),
             },
             "encoder": jax.tree.map(lambda x: jnp.array(x, jnp.float32), base_params["layers"][-1]),
-            "heads": [{"w": head_w, "b": jnp.zeros((D,))} for _ in range(self.n_heads)],
+            "heads": [
+                {"w": head_w, "b": jnp.zeros((head_w.shape[1],))} for _ in range(self.n_heads)
+            ],
         }
 
     def head_logits(self, base_params, params, h_real, h_enc, head: int):
@@ -151,12 +161,14 @@ class ChimeraDrafter(Drafter):
         x = x.astype(jnp.float32)
         p = params["heads"][head - 1]
         y = x @ p["w"] + p["b"]
+        if self.full_heads:
+            return y.astype(jnp.float32)  # already [...,V]
         if "vocab" in params:  # [V',D] rows of the lm_head: logits over the draft vocabulary
             return jnp.einsum("...d,vd->...v", y, params["vocab"]["matrix"]).astype(jnp.float32)
         return vocab_projection(base_params, self.cfg, y)
 
     def prepare(self, params, drafter_params, settings):
-        if not settings.get("draft_vocab"):
+        if not settings.get("draft_vocab") or self.full_heads:
             return drafter_params
         ids = jnp.asarray(settings["draft_vocab"], jnp.int32)
         lm = params["embed_tokens"] if self.cfg.tie_embeddings else params["lm_head"].T  # [V,D]
