@@ -52,9 +52,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def shipped(model, method):
+def shipped(model, method, for_generation=True):
+    """The shipped drafter; for generation as `jaxspec-generate` uses it (with its draft
+    vocabulary, if any), else with the weights alone (accuracy over the whole vocabulary)."""
     settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
-    return make_drafter(method, model.cfg, settings), params
+    drafter = make_drafter(method, model.cfg, settings)
+    if for_generation:
+        params = drafter.prepare(model.params, params, settings)
+    return drafter, params
 
 
 def test_features(model, args):
@@ -80,8 +85,8 @@ def train_variant(args, tag: str, flags: list[str]) -> dict:
 
 def part_accuracy(args, model) -> dict:
     features = test_features(model, args)
-    chimera, c_params = shipped(model, "chimera")
-    medusa, m_params = shipped(model, "medusa")
+    chimera, c_params = shipped(model, "chimera", for_generation=False)
+    medusa, m_params = shipped(model, "medusa", for_generation=False)
     result = {
         "chimera": chimera_train.evaluate(chimera, model.params, c_params, features).tolist(),
         "medusa": medusa_train.evaluate(medusa, model.params, m_params, features, "self").tolist(),
