@@ -29,7 +29,7 @@ import jax
 from infer.common import DRAFTERS_DIR, load_model, make_drafter
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.store import load_drafter
-from repro.plots import plot_topk
+from repro.plots import plot_topk, run_part
 from train import chimera as chimera_train
 from train import medusa as medusa_train
 from train.features import answer_features
@@ -207,12 +207,7 @@ PARTS = {
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    model = load_model()
-    result = PARTS[args.part](args, model)
-    (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    run_part(PARTS, parse_args(argv), load_model())
 
 
 if __name__ == "__main__":

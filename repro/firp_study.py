@@ -34,7 +34,7 @@ from infer.common import DRAFTERS_DIR, load_model, make_drafter
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.firp import pseudo_forward
 from jaxspec.drafters.store import load_drafter
-from repro.plots import plot_topk
+from repro.plots import plot_topk, run_part
 from train import firp as firp_train
 
 OUT = Path(__file__).resolve().parent / "results" / "firp"
@@ -268,12 +268,7 @@ PARTS = {
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    model = load_model()
-    result = PARTS[args.part](args, model)
-    (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    run_part(PARTS, parse_args(argv), load_model())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,18 @@
-"""Plots shared by the reproduction scripts."""
+"""What the reproduction scripts share: running a part, plots."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+
+
+def run_part(parts: dict, args, model) -> None:
+    """Run part `args.part` and write its result to <args.out>/<part>.json (and print it)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = parts[args.part](args, model)
+    (args.out / f"{args.part}.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
 
 
 def plot_topk(result: dict, names: list[str], path, unit: str = "head") -> None:

@@ -48,3 +48,13 @@ def resume(work: Path, args, state):
 def save(manager, step: int, state) -> None:
     """Save if `step` is on the manager's interval (orbax decides)."""
     manager.save(step, args=ocp.args.StandardSave(state))
+
+
+def command_flags(args) -> str:
+    """The training flags as a command line for a drafter card (paths left out; a boolean
+    flag appears when set)."""
+    return " ".join(
+        f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
+        for k, v in vars(args).items()
+        if v is not None and v is not False and k not in ("model", "out", "work_dir")
+    )

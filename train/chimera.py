@@ -34,7 +34,7 @@ from jaxspec.drafters.chimera import ChimeraDrafter, encoder_outputs, training_l
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
-from train.checkpoints import resume, run_record, save
+from train.checkpoints import command_flags, resume, run_record, save
 from train.features import answer_features
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -250,11 +250,6 @@ def train(argv) -> dict:
 
 
 def card(args, cfg, report) -> str:
-    flags = " ".join(
-        f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
-        for k, v in vars(args).items()
-        if v is not None and v is not False and k not in ("model", "out", "work_dir")
-    )
     rows = "\n".join(
         f"| {k + 1} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
         for k, acc in enumerate(report["test_topk_accuracy"])
@@ -280,7 +275,7 @@ def card(args, cfg, report) -> str:
         if args.draft_vocab
         else "the whole vocabulary"
     } (the accuracy below is over the whole vocabulary).
-- Command: `jaxspec-train chimera {flags}`
+- Command: `jaxspec-train chimera {command_flags(args)}`
 
 Test-split accuracy ({args.test_seqs} ShareGPT test conversations), top-1..5 against the
 base model's greedy tokens (earlier chain tokens the true ones):

@@ -35,7 +35,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
-from train.checkpoints import resume, save
+from train.checkpoints import command_flags, resume, save
 from train.selfdata import generate_answers
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -337,11 +337,6 @@ def card(args, cfg, report) -> str:
         f"| {k + 1} | {report['layers'][k]} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
         for k, acc in enumerate(report["test_topk_accuracy"])
     )
-    flags = " ".join(
-        f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items()
-        if v is not None and k not in ("model", "out", "work_dir")
-    )
     return f"""# FIRP drafter for {cfg.name}
 
 - Linear maps (D x D + bias) at layers {report["layers"]} of {cfg.n_layers}; pseudo states
@@ -352,7 +347,7 @@ def card(args, cfg, report) -> str:
   step, AdamW lr {args.lr} cosine, KL to the base model's distributions;
   {report["train_minutes"]} minutes end to end on the machine that trained it.
 - Final training loss per FIRP step: {report["final_loss_per_step"]}
-- Command: `jaxspec-train firp {flags}`
+- Command: `jaxspec-train firp {command_flags(args)}`
 
 Test-split agreement with the base model's greedy tokens ({args.test_seqs} ShareGPT test
 conversations, the model's own answers), top-1..5:

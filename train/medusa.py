@@ -35,7 +35,7 @@ from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
-from train.checkpoints import resume, save
+from train.checkpoints import command_flags, resume, save
 from train.features import answer_features, extract
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -192,16 +192,6 @@ def train(argv) -> dict:
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")
     return report
-
-
-def command_flags(args) -> str:
-    skip = ("model", "out", "work_dir")
-    flags = (
-        f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items()
-        if v is not None and k not in skip
-    )
-    return " ".join(flags)
 
 
 TARGETS = {
