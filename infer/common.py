@@ -17,7 +17,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
-METHODS = ("ar", "medusa", "firp", "chimera")  # grows as drafters land: sdsat, ppd
+METHODS = ("ar", "medusa", "firp", "chimera", "sdsat")  # grows as drafters land: ppd
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 CPU_TREE = "chain-1"
 
@@ -47,10 +47,12 @@ def check_method(method: str) -> None:
 def default_tree(settings: dict) -> str:
     """On CPU the tree measured fastest for the drafter (its `cpu_tree` setting, from a
     BENCHMARKS.md sweep; else a 1-deep chain: larger trees cost more than their extra
-    accepted tokens gain there); on accelerators the drafter's own 64-node searched tree
-    when it ships one."""
+    accepted tokens gain there); on accelerators its `gpu_tree`, else its own 64-node
+    searched tree when it ships one."""
     if jax.default_backend() == "cpu":
         return settings.get("cpu_tree", CPU_TREE)
+    if "gpu_tree" in settings:
+        return settings["gpu_tree"]
     return "searched-64" if "searched-64" in settings.get("trees", {}) else "gpu-63"
 
 
@@ -65,6 +67,10 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
         from jaxspec.drafters.medusa import MedusaDrafter
 
         return MedusaDrafter(cfg, settings["n_heads"], settings.get("own_lm_head", False))
+    if method == "sdsat":
+        from jaxspec.drafters.sdsat import SdsatDrafter
+
+        return SdsatDrafter(cfg, settings["rank"], settings.get("n_ids", 1))
     if method == "chimera":
         from jaxspec.drafters.chimera import ChimeraDrafter
 

@@ -87,9 +87,13 @@ class Drafter:
     `init_state` and `advance`: the state is created once per generation, updated from
     `inputs.entered` before every `propose` (which reads it as `inputs.state`), and donated
     between steps so its buffers are updated in place.
+    Drafters that need a forward of their own over the committed cache (SDSAT's adaptive
+    tokens) set `drafts_from_cache`: their `draft_from_cache` runs as a separate program
+    after each commit and its candidates replace `propose`'s.
     """
 
     collect: tuple[int, ...] = ()
+    drafts_from_cache: bool = False
 
     def check_tree(self, tree: TreeSpec) -> None:
         pass
@@ -105,6 +109,12 @@ class Drafter:
         return h, block, states, None
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
+        raise NotImplementedError
+
+    def draft_from_cache(self, params, drafter_params, cache: KVCache, current, tree: TreeSpec):
+        """cache: committed up to `current` [B] (the next root, not in it) -> candidates
+        [B,T-1]. Used when `drafts_from_cache`; must not depend on random draws (the lossless
+        sampler needs drafts fixed before its randomness)."""
         raise NotImplementedError
 
     def projected_rows(self, params, drafter_params, h, drafted, depth: int):
@@ -252,6 +262,12 @@ def speculative_step(
     return emitted, n_emitted, bonus, candidates, gather_path(block, nodes), state
 
 
+@partial(jax.jit, static_argnames=("tree", "drafter"))
+def redraft(params, drafter_params, cache: KVCache, current, *, tree, drafter):
+    """The drafter's own forward over the committed cache -> candidates [B,T-1]."""
+    return drafter.draft_from_cache(params, drafter_params, cache, current, tree)
+
+
 class SpeculativeGenerator:
     """Generation with a drafter and a static tree, one prompt or a batch.
 
@@ -298,8 +314,9 @@ class SpeculativeGenerator:
         return min(bucket(needed, MIN_CACHE_LEN), self.max_len)
 
     def _programs(self, pre_args, cache: KVCache) -> tuple[tuple[Callable, ...], float]:
-        """AOT-compiled (prefill, step, commit prompt, commit path) for this prompt bucket
-        and cache length -> (programs, compile seconds; 0 when already compiled)."""
+        """AOT-compiled (prefill, step, commit prompt, commit path, redraft or None) for
+        this prompt bucket and cache length -> (programs, compile seconds; 0 when already
+        compiled)."""
         key = (pre_args[2].shape, cache.max_len)
         if key in self._executables:
             return self._executables[key], 0.0
@@ -315,7 +332,13 @@ class SpeculativeGenerator:
         lengths = pre_args[3]
         commit_prompt = commit.lower(cache, prompt_block, lengths).compile()
         commit_path = commit.lower(cache, path_block, lengths).compile()
-        self._executables[key] = (prefill, step, commit_prompt, commit_path)
+        drafts = None
+        if self.drafter.drafts_from_cache:
+            drafts = redraft.lower(
+                self.params, self.drafter_params, cache, first, tree=self.tree,
+                drafter=self.drafter,
+            ).compile()  # fmt: skip
+        self._executables[key] = (prefill, step, commit_prompt, commit_path, drafts)
         return self._executables[key], time.perf_counter() - start
 
     def generate(
@@ -359,9 +382,8 @@ class SpeculativeGenerator:
 
         state = self.drafter.init_state(self.cfg, B, S, jax.tree.leaves(self.params)[0].dtype)
         pre_args = (self.params, dp, tokens, lengths, key, state)
-        (run_prefill, run_step, commit_prompt, commit_path), compile_s = self._programs(
-            pre_args, cache
-        )
+        programs, compile_s = self._programs(pre_args, cache)
+        run_prefill, run_step, commit_prompt, commit_path, run_redraft = programs
 
         eos = set(self.cfg.eos_token_ids)
         outs: list[list[int]] = [[] for _ in range(B)]
@@ -383,6 +405,8 @@ class SpeculativeGenerator:
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         while not done.all():
+            if run_redraft is not None:
+                candidates = run_redraft(self.params, dp, cache, current)
             emitted, n, current, candidates, block, state = run_step(
                 self.params, dp, cache, current, candidates, key, state
             )

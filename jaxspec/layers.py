@@ -55,9 +55,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
-    """x [B,T,D] -> [B,T,D]: down(silu(gate(x)) * up(x))."""
-    return (jax.nn.silu(x @ p["gate_proj"]) * (x @ p["up_proj"])) @ p["down_proj"]
+def swiglu_mlp(x: jax.Array, linear) -> jax.Array:
+    """x [B,T,D] -> [B,T,D]: down(silu(gate(x)) * up(x)); linear(x, name) applies a weight."""
+    return linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
 
 
 def attention(q, k_cache, v_cache, k_new, v_new, mask):

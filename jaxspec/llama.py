@@ -13,7 +13,7 @@ Linear weights are stored [in, out] (HF stores [out, in]); names mirror HF.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,13 @@ from jaxspec.kv_cache import KVBlock, KVCache, attention_mask
 from jaxspec.layers import apply_rope, attention, rms_norm, rope_tables, swiglu_mlp
 
 Params = dict
+# (x [...,in], weight name) -> x @ weight [...,out]: a block's linear maps. The plain one
+# reads the layer's weights; an adapter (SDSAT's) may add its own terms.
+Linear = Callable[[jax.Array, str], jax.Array]
+
+
+def plain_linear(p: dict) -> Linear:
+    return lambda x, name: x @ p[name]
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -30,22 +37,24 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed_tokens"], tokens, axis=0)
 
 
-def layer_kv(cfg, p, x, cos, sin):
+def layer_kv(cfg, p, x, cos, sin, linear: Linear | None = None):
     """A block's keys (rotated) and values for its normed input x [B,T,D] -> [B,K,T,H] each."""
     B, T, _ = x.shape
-    k = (x @ p["k_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    v = (x @ p["v_proj"]).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    linear = linear or plain_linear(p)
+    k = linear(x, "k_proj").reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    v = linear(x, "v_proj").reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     return apply_rope(k, cos, sin).transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
-def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, mask):
+def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, mask, linear: Linear | None = None):
     """One block. h [B,T,D]; caches [B,K,S,H] (read only) -> h, new keys and values [B,K,T,H]."""
     B, T, _ = h.shape
+    linear = linear or plain_linear(p)
     x = rms_norm(h, p["input_layernorm"], cfg.norm_eps)
-    q = apply_rope((x @ p["q_proj"]).reshape(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
-    k, v = layer_kv(cfg, p, x, cos, sin)
-    h = h + attention(q, k_cache, v_cache, k, v, mask) @ p["o_proj"]
-    h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), p)
+    q = apply_rope(linear(x, "q_proj").reshape(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+    k, v = layer_kv(cfg, p, x, cos, sin, linear)
+    h = h + linear(attention(q, k_cache, v_cache, k, v, mask), "o_proj")
+    h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), linear)
     return h, k, v
 
 
@@ -60,6 +69,7 @@ def run_layers(
     stop: int | None = None,
     collect: Sequence[int] = (),
     context_mask: jax.Array | None = None,
+    linears: Callable[[int, dict], Linear] | None = None,
 ) -> tuple[jax.Array, KVBlock, dict[int, jax.Array]]:
     """Run layers [start, stop) on hidden states h [B,T,D] at positions [B,T].
 
@@ -70,7 +80,8 @@ def run_layers(
     `collect` names layer counts i whose output (the state after i layers, HF's
     hidden_states[i]) is returned in the dict. `context_mask` [B,T,S], when given, replaces
     "sees the committed slots" with any per-token choice of cache slots (FIRP's training
-    attends pseudo tokens to a prefix of the real ones).
+    attends pseudo tokens to a prefix of the real ones). `linears(i, layer_params)`, when
+    given, supplies layer i's linear maps (an adapter's).
     """
     stop = cfg.n_layers if stop is None else stop
     cos, sin = rope_tables(cfg, positions)
@@ -85,9 +96,9 @@ def run_layers(
     keys, values = [], []
     collected = {start: h} if start in collect else {}
     for i in range(start, stop):
-        h, k, v = decoder_layer(
-            cfg, params["layers"][i], h, cos, sin, keys_in[i], values_in[i], mask
-        )
+        p = params["layers"][i]
+        linear = None if linears is None else linears(i, p)
+        h, k, v = decoder_layer(cfg, p, h, cos, sin, keys_in[i], values_in[i], mask, linear)
         keys.append(k)
         values.append(v)
         if i + 1 in collect:

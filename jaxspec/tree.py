@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import re
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -47,6 +48,12 @@ class TreeSpec:
     def chain(cls, depth: int) -> TreeSpec:
         """Top-1 guesses only: a chain of `depth` drafted tokens."""
         return cls.from_paths([(0,) * d for d in range(1, depth + 1)])
+
+    @classmethod
+    def comb(cls, depth: int, width: int) -> TreeSpec:
+        """The top-1 chain of `depth` tokens with the rank 1..width-1 alternatives of every
+        depth hanging off it (SDSAT's sampling trees: top-`width` per position)."""
+        return cls.from_paths([(0,) * d + (r,) for d in range(depth) for r in range(width)])
 
     @property
     def n_nodes(self) -> int:
@@ -162,6 +169,13 @@ PRESETS = {
 
 
 def tree_preset(name: str) -> TreeSpec:
+    """A preset, `chain-N` (any N >= 1) or `comb-N-W` (TreeSpec.comb(N, W))."""
     if name in PRESETS:
         return PRESETS[name]
-    raise JaxspecError(f"unknown tree {name!r}; known: {', '.join(PRESETS)}")
+    if m := re.fullmatch(r"chain-([1-9][0-9]*)", name):
+        return TreeSpec.chain(int(m[1]))
+    if m := re.fullmatch(r"comb-([1-9][0-9]*)-([1-9][0-9]*)", name):
+        return TreeSpec.comb(int(m[1]), int(m[2]))
+    raise JaxspecError(
+        f"unknown tree {name!r}; known: {', '.join(PRESETS)}, chain-N, comb-DEPTH-WIDTH"
+    )

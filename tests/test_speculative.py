@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from jaxspec.config import LlamaConfig, preset
-from jaxspec.decode import SpeculativeGenerator, prefill_and_draft, speculative_step
+from jaxspec.decode import SpeculativeGenerator, prefill_and_draft, redraft, speculative_step
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import forward, init_params
 from jaxspec.sampling import Sampling, warped_logprobs
 from jaxspec.tree import TreeSpec, search_tree, tree_preset
 from tests.drafters import OracleDrafter, RandomDrafter
+from tests.test_generate import n_programs
 
 TREES = ["chain-4", "cpu-8", "cpu-16", "cpu-24"]
 
@@ -111,10 +112,10 @@ def test_steps_never_recompile(tree_name):
     tree = tree_preset(tree_name) if tree_name else None
     gen = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
     gen.generate([5, 6, 7], 30)
-    count = sum(len(p) for p in gen._executables.values())
+    count = n_programs(gen)
     assert count == 4  # prefill, step, and the two commits
     b = gen.generate([9, 8, 7, 6], 25)  # same buckets: nothing new compiles
-    assert b.compile_s == 0 and sum(len(p) for p in gen._executables.values()) == count
+    assert b.compile_s == 0 and n_programs(gen) == count
 
 
 @pytest.mark.parametrize("tree_name", TREES)
@@ -144,9 +145,14 @@ def exact_two_token_distribution(cfg, params, context, sampling):
 def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
     """-> (drafter, its params): random guesses, FIRP with random maps (its pseudo chains
     join the verify forward, which must leave the verified logits alone), or a random
-    Chimera (drafts from its own state carried between steps)."""
+    Chimera (drafts from its own state carried between steps), or a random SDSAT adapter
+    (drafts from its own forward over the committed cache)."""
     if name == "random":
         return RandomDrafter(cfg.vocab_size), None
+    if name == "sdsat":
+        from tests.test_sdsat import random_sdsat
+
+        return random_sdsat(cfg, params)
     if name == "chimera":
         from tests.test_chimera import random_chimera
 
@@ -168,6 +174,7 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
         ("cpu-24", Sampling(1.3, top_k=5), "random"),
         ("chain-2", Sampling(1.0, top_p=0.9), "firp"),
         ("cpu-8", Sampling(0.8), "chimera"),
+        ("comb-3-3", Sampling(1.0, top_p=0.95), "sdsat"),
     ],
 )
 def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling, drafter_name):
@@ -190,10 +197,14 @@ def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling,
     cache = commit(cache, block, lengths)
     current = jnp.full((N,), root, jnp.int32)
     candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)
+    if drafter.drafts_from_cache:
+        candidates = redraft(params, dparams, cache, current, tree=tree, drafter=drafter)
     emitted, n, current, candidates, block, state = speculative_step(
         params, dparams, cache, current, candidates, jax.random.key(2), state, **static
     )
     cache = commit(cache, block, n)
+    if drafter.drafts_from_cache:
+        candidates = redraft(params, dparams, cache, current, tree=tree, drafter=drafter)
     emitted2, *_ = speculative_step(
         params, dparams, cache, current, candidates, jax.random.key(3), state, **static
     )

@@ -30,7 +30,14 @@ def _chimera(argv):
     main(argv)
 
 
-TRAINERS = {"medusa": _medusa, "firp": _firp, "chimera": _chimera}  # method name -> main(argv)
+def _sdsat(argv):
+    from train.sdsat import main
+
+    main(argv)
+
+
+# method name -> main(argv)
+TRAINERS = {"medusa": _medusa, "firp": _firp, "chimera": _chimera, "sdsat": _sdsat}
 PLANNED = ("medusa", "firp", "chimera", "sdsat", "ppd")
 
 

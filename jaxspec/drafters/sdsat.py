@@ -1,0 +1,118 @@
+"""SDSAT with an adapter (mode b): the base model drafts through appended adaptive tokens,
+and only at their positions do extra weights act, so the verifying model stays untouched.
+
+Drafting (the paper's draft step 1) forwards [current ; A x k] at positions n..n+k against
+the committed cache (k = the tree's depth - 1). `current` is an ordinary token: its output
+is exactly the base model's next-token distribution (tree depth 1); adaptive token A_j's
+output guesses the token at depth j+1. Verification (step 2) is the engine's verify step
+by the untouched base model: greedy output identical to AR, sampled output distributed as
+the model's. A loop emits at most k+2 tokens (depths 1..k+1 accepted, then the bonus).
+
+The adapter: adaptive-token input embeddings [n_ids, D] and, in every layer, a LoRA term
+x a b (a [in,r], b [r,out], b zero-initialised) on each linear map, applied only where the
+token is adaptive (jnp.where: ordinary positions compute exactly the base model's values).
+Adaptive token j uses embedding row min(j, n_ids - 1): n_ids = 1 is one id repeated (the
+paper's recommendation: any k works), n_ids > 1 the paper's "diverse" tokens.
+The adaptive ids are not in the model's vocabulary: the base lm_head scores the original
+vocabulary only, so a draft is always an ordinary token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import LlamaConfig
+from jaxspec.decode import Drafter, tree_candidates
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import KVCache, causal_mask
+from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.tree import TreeSpec
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class SdsatDrafter(Drafter):
+    cfg: LlamaConfig  # the base model's
+    rank: int = 16
+    n_ids: int = 1
+    drafts_from_cache = True
+
+    def init(self, base_params, key) -> dict:
+        """Embeddings start at the mean token embedding; LoRA a ~ N(0, 1/in), b = 0 (the
+        adapter starts as the base model fed that mean embedding)."""
+        mean = jnp.mean(base_params["embed_tokens"].astype(jnp.float32), axis=0)
+        layers = []
+        for i, layer in enumerate(base_params["layers"]):
+            lora = {}
+            for j, name in enumerate(LORA_TARGETS):
+                d_in, d_out = layer[name].shape
+                a = jax.random.normal(jax.random.fold_in(key, i * 16 + j), (d_in, self.rank))
+                lora[name] = {"a": a / jnp.sqrt(d_in), "b": jnp.zeros((self.rank, d_out))}
+            layers.append(lora)
+        return {"embed": jnp.tile(mean, (self.n_ids, 1)), "lora": layers}
+
+    def adaptive_embeddings(self, dparams, k: int) -> jax.Array:
+        """-> the inputs [k,D] of adaptive tokens 1..k."""
+        return dparams["embed"][jnp.minimum(jnp.arange(k), self.n_ids - 1)]
+
+    def linears(self, dparams, adaptive: jax.Array):
+        """adaptive [B,T] bool -> run_layers' `linears`: the base maps plus LoRA at adaptive
+        positions."""
+        where = adaptive[..., None]
+
+        def for_layer(i, p):
+            lora = dparams["lora"][i]
+
+            def linear(x, name):
+                y = x @ p[name]
+                a, b = (lora[name][w].astype(x.dtype) for w in ("a", "b"))
+                return jnp.where(where, y + (x @ a) @ b, y)
+
+            return linear
+
+        return for_layer
+
+    def adapted_logits(
+        self, params, dparams, h, positions, cache, new_mask, adaptive, context_mask=None
+    ):
+        """The model with the adapter: inputs h [B,T,D] at positions [B,T], adaptive [B,T]
+        -> logits [B,T,V] (float32) over the original vocabulary. Training and drafting
+        both run this."""
+        h, _, _ = run_layers(
+            params, self.cfg, h, positions, cache, new_mask, context_mask=context_mask,
+            linears=self.linears(dparams, adaptive),
+        )  # fmt: skip
+        return lm_logits(params, self.cfg, h)
+
+    def check_tree(self, tree: TreeSpec) -> None:
+        if tree.max_depth < 1:
+            raise JaxspecError(
+                "sdsat needs a tree of depth >= 1 (chain-K or comb-K-W: K-1 adaptive tokens)"
+            )
+
+    def draft_logits(self, params, dparams, cache: KVCache, current, k: int) -> jax.Array:
+        """current [B] (next root, not in the cache) -> logits [B,1+k,V]: row 0 the base
+        model's own next-token logits, row j adaptive token j's guess for depth j+1."""
+        B = current.shape[0]
+        adaptive_h = self.adaptive_embeddings(dparams, k).astype(params["embed_tokens"].dtype)
+        h = jnp.concatenate(
+            [embed(params, current[:, None]), jnp.broadcast_to(adaptive_h, (B, k, self.cfg.dim))],
+            axis=1,
+        )  # [B,1+k,D]
+        positions = cache.lengths[:, None] + jnp.arange(1 + k)[None]
+        adaptive = jnp.broadcast_to(jnp.arange(1 + k) >= 1, (B, 1 + k))
+        return self.adapted_logits(
+            params, dparams, h, positions, cache, causal_mask(B, 1 + k), adaptive
+        )
+
+    def draft_from_cache(self, params, dparams, cache, current, tree):
+        logits = self.draft_logits(params, dparams, cache, current, tree.max_depth - 1)
+        return tree_candidates(logits, tree)
+
+    def propose(self, params, drafter_params, tree, inputs, key):
+        # Drafts come from draft_from_cache, after the commit.
+        return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)

@@ -1,0 +1,169 @@
+"""SDSAT mode (b): the adapter leaves ordinary positions alone, drafting computes what
+training trains, greedy two-step decoding equals AR, training resumes and ships."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decode import SpeculativeGenerator, redraft
+from jaxspec.drafters.sdsat import SdsatDrafter
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import causal_mask, commit, init_cache
+from jaxspec.llama import embed, forward, run_layers
+from jaxspec.tree import TreeSpec, tree_preset
+from tests.test_speculative import tiny
+from train.sdsat import span_layout, span_logits
+
+
+def random_sdsat(cfg, base_params, rank=3, n_ids=1, seed=0):
+    """An adapter whose every weight (LoRA b included) is its initial value plus noise."""
+    drafter = SdsatDrafter(cfg, rank, n_ids)
+    leaves, treedef = jax.tree.flatten(drafter.init(base_params, jax.random.key(seed)))
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noisy = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return drafter, jax.tree.unflatten(treedef, noisy)
+
+
+def test_span_layout_literal():
+    positions, j, context, rows = span_layout(jnp.asarray([[1, 3]]), 2, 5)
+    np.testing.assert_array_equal(positions, [[2, 3, 4, 5]])
+    np.testing.assert_array_equal(j, [0, 1, 0, 1])
+    np.testing.assert_array_equal(
+        context[0], [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]
+    )
+    np.testing.assert_array_equal(rows, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
+def test_the_adapter_leaves_ordinary_positions_bit_identical(name):
+    """Ordinary tokens followed by adaptive ones: the ordinary positions' logits equal the
+    untouched model's bit for bit, while the adaptive positions' do change."""
+    cfg, params = tiny(name)
+    drafter, dparams = random_sdsat(cfg, params)
+    B, n, k = 2, 7, 4
+    tokens = jax.random.randint(jax.random.key(4), (B, n + k), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(n + k), (B, n + k))
+    mask = causal_mask(B, n + k)
+    base, _, _ = forward(params, cfg, tokens, positions, None, mask)
+    h = embed(params, tokens).at[:, n:].set(drafter.adaptive_embeddings(dparams, k))
+    adaptive = jnp.broadcast_to(jnp.arange(n + k) >= n, (B, n + k))
+    adapted = drafter.adapted_logits(params, dparams, h, positions, None, mask, adaptive)
+    np.testing.assert_array_equal(np.asarray(adapted[:, :n]), np.asarray(base[:, :n]))
+    assert not np.allclose(adapted[:, n:], base[:, n:], atol=1e-3)
+
+
+def test_drafting_computes_what_training_trains():
+    """Drafting after `current` = token i against the cache gives, row for row, the logits
+    the trainer computes for a span starting at i (its first row: the base model's own)."""
+    cfg, params = tiny()
+    drafter, dparams = random_sdsat(cfg, params, n_ids=2)
+    L, S = 4, 12
+    tokens = jax.random.randint(jax.random.key(2), (1, S), 0, cfg.vocab_size)
+    for i in (3, 6):
+        trained, _, _ = span_logits(drafter, params, dparams, tokens, jnp.asarray([[i]]), L)
+        cache = init_cache(cfg, 1, 32)
+        mask = causal_mask(1, i)
+        _, block, _ = run_layers(params, cfg, embed(params, tokens[:, :i]),
+                                 jnp.arange(i)[None], None, mask)  # fmt: skip
+        cache = commit(cache, block, jnp.asarray([i]))
+        drafted = drafter.draft_logits(params, dparams, cache, tokens[:, i], L)  # [1,1+L,V]
+        np.testing.assert_allclose(drafted[:, 1:], trained, atol=2e-4, rtol=2e-4)
+        base, _, _ = forward(params, cfg, tokens[:, : i + 1], jnp.arange(i + 1)[None], None,
+                             causal_mask(1, i + 1))  # fmt: skip
+        np.testing.assert_allclose(drafted[:, 0], base[:, i], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
+@pytest.mark.parametrize("tree_name", ["chain-1", "chain-5", "comb-3-3"])
+def test_greedy_two_step_decoding_equals_ar(name, tree_name):
+    cfg, params = tiny(name)
+    drafter, dparams = random_sdsat(cfg, params, n_ids=2)
+    prompts = [[5, 6, 7, 8, 9], [3, 1, 4]]
+    ar = SpeculativeGenerator(cfg, params).generate_batch(prompts, 30)
+    gen = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset(tree_name))
+    got = gen.generate_batch(prompts, 30)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    # The first tree depth is the base model's own next token: at least 2 tokens a loop.
+    assert all(r.steps <= 1 + -(-29 // 2) for r in got)
+
+
+def test_drafts_come_from_the_committed_cache():
+    """The redraft program sees the cache as committed: a drafter whose depth-1 guess is
+    the model's own token gets it accepted at every step, and greedy stays exact."""
+    cfg, params = tiny()
+    drafter, dparams = random_sdsat(cfg, params)
+    tree = tree_preset("chain-3")
+    prompt = [5, 6, 7, 8]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 20).token_ids
+    cache = init_cache(cfg, 1, 64)
+    tokens = jnp.asarray([prompt + ar[:5]], jnp.int32)
+    n = tokens.shape[1] - 1
+    _, block, _ = run_layers(params, cfg, embed(params, tokens[:, :n]), jnp.arange(n)[None],
+                             None, causal_mask(1, n))  # fmt: skip
+    cache = commit(cache, block, jnp.asarray([n]))
+    candidates = redraft(params, dparams, cache, tokens[:, n], tree=tree, drafter=drafter)
+    assert int(candidates[0, 0]) == ar[5]  # depth 1: the base model's own next token
+
+
+def test_a_tree_without_depth_is_refused():
+    cfg, params = tiny()
+    drafter, dparams = random_sdsat(cfg, params)
+    with pytest.raises(JaxspecError, match="depth >= 1"):
+        SpeculativeGenerator(cfg, params, drafter, dparams, TreeSpec(()))
+
+
+@pytest.fixture(scope="module")
+def trained_sdsat(tiny_ckpt, tmp_path_factory):
+    """Train 4 steps, 'interrupt', resume to 7: (drafter dir, reports, checkpoint)."""
+    import train.sdsat as sdsat
+    from tests.test_medusa import conversations
+
+    tmp = tmp_path_factory.mktemp("sdsat")
+    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
+              "--out", str(tmp / "out"), "--train-seqs", "8", "--test-seqs", "4",
+              "--prompt-len", "40", "--new-tokens", "24", "--batch", "2", "--spans", "4",
+              "--window", "3", "--rank", "2", "--ids", "2", "--save-every", "2",
+              "--lr", "0.01", "--cpu-tree", "chain-3"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sdsat, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        first = sdsat.train([*common, "--steps", "4"])
+        second = sdsat.train([*common, "--steps", "7"])
+    return tmp / "out", first, second, tiny_ckpt[0]
+
+
+def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
+    from infer.common import build_generator, load_model
+    from jaxspec.drafters.store import load_drafter
+
+    out, first, second, ckpt = trained_sdsat
+    assert first["steps"] == 4 and second["steps"] == 7
+    assert first["final_loss"] != second["final_loss"]  # it trained on
+    assert len(second["test"]["top1_per_depth"]) == 3 and second["test"]["spans"] > 0
+    model = load_model(ckpt)
+    settings, dparams = load_drafter(out, "sdsat", model.cfg)
+    assert settings["n_ids"] == 2 and dparams["embed"].shape == (2, model.cfg.dim)
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
+    gen = build_generator(model, "sdsat", out)
+    assert gen.tree == tree_preset("chain-3")
+    assert gen.generate(prompt, 24).token_ids == ar
+
+
+def test_the_adaptive_vocabulary_round_trips_and_is_refused_for_another_model(tmp_path):
+    """Adaptive-token embeddings and adapter saved and loaded back unchanged; a drafter
+    for one model is refused for another with a clear error."""
+    from jaxspec.drafters.store import load_drafter, save_drafter
+
+    cfg, params = tiny()
+    drafter, dparams = random_sdsat(cfg, params, n_ids=3)
+    save_drafter(tmp_path, "sdsat", {"rank": 3, "n_ids": 3}, dparams, cfg, "card")
+    settings, loaded = load_drafter(tmp_path, "sdsat", cfg)
+    assert settings == {"rank": 3, "n_ids": 3}
+    for a, b in zip(jax.tree.leaves(dparams), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other, _ = tiny("tiny-mqa", vocab=57)
+    with pytest.raises(JaxspecError, match="trained for"):
+        load_drafter(tmp_path, "sdsat", other)

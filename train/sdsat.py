@@ -1,0 +1,281 @@
+"""jaxspec-train sdsat: adaptive tokens and their adapter (SDSAT mode b) on a frozen model.
+
+1. Data: the base model's own greedy answers to ShareGPT train-split first turns (shared
+   with the other trainers, train/selfdata.py): greedy verification checks drafts against
+   exactly these tokens.
+2. Span masking (paper §2.2): in each sequence, `--spans` answer positions i are drawn
+   uniformly; after each, adaptive tokens A_1..A_L sit at positions i+1..i+L and A_j learns
+   the token at i+j+1. A span sees the ordinary tokens 0..i (the base model's keys and
+   values, computed once per batch without gradients) and its own earlier adaptive tokens,
+   exactly what drafting sees after `current` = token i. The paper's window length w ~
+   U{1..L} keeps rows j < w; since a row never sees later rows, we compute all L rows and
+   weight row j by P(w > j) = (L - j) / L, the paper's expected loss at no wasted compute.
+3. Loss: the paper's 1/2 (f(Y_hat, Y) + w f(M_hat, Y_M) M_mask) with f = cross-entropy. In
+   mode (b) ordinary positions never see adaptive tokens and keep the base weights, so
+   f(Y_hat, Y) is a constant: only the adaptive term is trained (weight w = 1).
+4. AdamW (beta2 0.95) with warm-up and cosine decay as the paper; resumable orbax
+   checkpoints; evaluation on the test split: per-depth top-1 accuracy and the mean number
+   of leading correct drafts (the greedy chain's accepted adaptive drafts) per span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from infer.common import load_model
+from jaxspec.checkpoint import jaxspec_home
+from jaxspec.data.sources import sharegpt_split
+from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
+from jaxspec.drafters.store import save_drafter
+from jaxspec.kv_cache import KVCache, causal_mask
+from jaxspec.llama import embed, run_layers
+from train.checkpoints import command_flags, resume, run_record, save
+from train.selfdata import generate_answers
+
+REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="jaxspec-train sdsat", description=__doc__)
+    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
+    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/sdsat)")
+    p.add_argument(
+        "--work-dir", type=Path, help="answers and checkpoints (default: in $JAXSPEC_HOME)"
+    )
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of the adapter")
+    p.add_argument("--ids", type=int, default=1, help="distinct adaptive token ids")
+    p.add_argument("--window", type=int, default=8, help="max mask window L")
+    p.add_argument("--spans", type=int, default=24, help="spans per sequence")
+    p.add_argument("--train-seqs", type=int, default=800)
+    p.add_argument("--test-seqs", type=int, default=40)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=192)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--cpu-tree", default="chain-5", help="the tree generation uses on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def span_starts(starts, lengths, n_spans: int, rng) -> np.ndarray:
+    """-> [B,n_spans] positions i, uniform over each answer (target i+2 inside it)."""
+    low = np.maximum(starts - 1, 0)
+    high = np.maximum(lengths - 2, low + 1)
+    return (low[:, None] + rng.random((len(starts), n_spans)) * (high - low)[:, None]).astype(
+        np.int32
+    )
+
+
+def span_layout(spans: jax.Array, L: int, S: int):
+    """spans [B,n] -> rows of n spans x L adaptive tokens: positions [B,R] (R = n*L),
+    depth j [R], context mask [B,R,S] (ordinary tokens 0..i), mask among rows [R,R] (the
+    same span, earlier rows and itself).
+
+    E.g. L = 2, spans [[1, 3]], S = 5:
+        row  pos  j  context (slots 0..4)   rows
+        0    2    0  1 1 0 0 0              1 0 0 0
+        1    3    1  1 1 0 0 0              1 1 0 0
+        2    4    0  1 1 1 1 0              0 0 1 0
+        3    5    1  1 1 1 1 0              0 0 1 1
+    """
+    n = spans.shape[1]
+    j = jnp.tile(jnp.arange(L), n)  # [R]
+    start = jnp.repeat(spans, L, axis=1)  # [B,R]
+    positions = start + 1 + j
+    context = jnp.arange(S)[None, None, :] <= start[:, :, None]
+    span = jnp.repeat(jnp.arange(n), L)
+    rows = (span[:, None] == span[None, :]) & (j[None, :] <= j[:, None])
+    return positions, j, context, rows
+
+
+def span_logits(drafter, params, dparams, tokens, spans, L: int):
+    """tokens [B,S], spans [B,n] -> the adaptive rows' logits [B,R,V], depth j [R],
+    their positions [B,R]. The ordinary tokens run through the untouched model once."""
+    B, S = tokens.shape
+    positions, j, context, rows = span_layout(spans, L, S)
+    R = positions.shape[1]
+    ordinary = jnp.broadcast_to(jnp.arange(S), (B, S))
+    _, block, _ = run_layers(params, drafter.cfg, embed(params, tokens), ordinary, None,
+                             causal_mask(B, S))  # fmt: skip
+    block = jax.lax.stop_gradient(block)
+    cache = KVCache(block.keys, block.values, jnp.zeros((B,), jnp.int32))
+    h = jnp.broadcast_to(drafter.adaptive_embeddings(dparams, L)[j], (B, R, drafter.cfg.dim))
+    adaptive = jnp.ones((B, R), bool)
+    new_mask = jnp.broadcast_to(rows, (B, R, R))
+    logits = drafter.adapted_logits(
+        params, dparams, h, positions, cache, new_mask, adaptive, context
+    )
+    return logits, j, positions
+
+
+def span_targets(tokens, lengths, positions):
+    """-> labels [B,R] (the token after each row's position) and valid [B,R]."""
+    target = positions + 1
+    valid = target < lengths[:, None]
+    labels = jnp.take_along_axis(tokens, jnp.minimum(target, tokens.shape[1] - 1), axis=1)
+    return labels, valid
+
+
+@partial(jax.jit, static_argnames=("drafter", "optimizer", "L"), donate_argnames=("state",))
+def train_step(state, params, tokens, lengths, spans, *, drafter, optimizer, L):
+    def loss_fn(dparams):
+        logits, j, positions = span_logits(drafter, params, dparams, tokens, spans, L)
+        labels, valid = span_targets(tokens, lengths, positions)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [B,R]
+        weight = valid * ((L - j) / L)[None]
+        per_depth = (ce * valid).reshape(*ce.shape[:1], -1, L).sum((0, 1)) / jnp.maximum(
+            valid.reshape(*ce.shape[:1], -1, L).sum((0, 1)), 1
+        )
+        return (ce * weight).sum() / weight.sum(), per_depth
+
+    (loss, per_depth), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    new = {
+        "params": optax.apply_updates(state["params"], updates),
+        "opt_state": opt_state,
+        "step": state["step"] + 1,
+    }
+    return new, (loss, per_depth)
+
+
+@partial(jax.jit, static_argnames=("drafter", "L"))
+def span_hits(params, dparams, tokens, lengths, spans, *, drafter, L):
+    """-> correct top-1 [B,n,L] and valid [B,n,L] for every span's rows."""
+    logits, _, positions = span_logits(drafter, params, dparams, tokens, spans, L)
+    labels, valid = span_targets(tokens, lengths, positions)
+    correct = jnp.argmax(logits, -1) == labels
+    B = tokens.shape[0]
+    return correct.reshape(B, -1, L), valid.reshape(B, -1, L)
+
+
+def evaluate(drafter, params, dparams, data, L: int, stride: int = 4) -> dict:
+    """Spans at every `stride`-th answer position of every test sequence: top-1 accuracy
+    per depth and the mean leading run of correct drafts (spans with all L rows inside)."""
+    correct_sum, valid_sum, runs = np.zeros(L), np.zeros(L), []
+    width = data["tokens"].shape[1] // stride  # spans padded to one shape: one compilation
+    for n in range(len(data["tokens"])):
+        start, length = int(data["starts"][n]), int(data["lengths"][n])
+        spans = np.arange(start - 1, start - 1 + width * stride, stride)
+        spans = np.minimum(spans, max(length - 2, 0))[None].astype(np.int32)
+        correct, valid = map(np.asarray, span_hits(
+            params, dparams, data["tokens"][n : n + 1], data["lengths"][n : n + 1], spans,
+            drafter=drafter, L=L,
+        ))  # fmt: skip
+        keep = np.concatenate([[True], spans[0, 1:] != spans[0, :-1]])  # padded spans repeat
+        correct, valid = correct[0, keep], valid[0, keep]
+        correct_sum += (correct & valid).sum(0)
+        valid_sum += valid.sum(0)
+        full = valid.all(1)
+        runs += np.cumprod(correct[full], axis=1).sum(1).tolist()
+    return {
+        "top1_per_depth": [round(float(x), 4) for x in correct_sum / np.maximum(valid_sum, 1)],
+        "mean_leading_correct": round(float(np.mean(runs)), 3) if runs else None,
+        "spans": len(runs),
+    }
+
+
+def train(argv) -> dict:
+    args = parse_args(argv)
+    model = load_model(args.model)
+    cfg = model.cfg
+    root = args.work_dir or jaxspec_home() / "train" / cfg.name
+    work = args.work_dir or root / "sdsat"
+    out = args.out or REPO_DRAFTERS / cfg.name / "sdsat"
+    start_time = time.perf_counter()
+
+    def answers(split, n):
+        name = f"self-{split}-{n}-p{args.prompt_len}-n{args.new_tokens}.npz"
+        return generate_answers(model, sharegpt_split(split), n, root / name,
+                                args.prompt_len, args.new_tokens)  # fmt: skip
+
+    train_data, test_data = answers("train", args.train_seqs), answers("test", args.test_seqs)
+    drafter = SdsatDrafter(cfg, args.rank, args.ids)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, max(args.steps // 5, 1), args.steps, end_value=args.lr / 5
+    )
+    optimizer = optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    params = drafter.init(model.params, jax.random.key(args.seed))
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
+    manager, state, resumed = resume(work, args, state)
+    if resumed:
+        print(f"resumed from step {int(state['step'])}")
+    first_step = int(state["step"])
+    loss, per_depth = jnp.float32(0), jnp.zeros(args.window)
+    bar = tqdm(range(first_step, args.steps), desc="train sdsat", unit="step")
+    for step in bar:
+        rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
+        seqs = rng.integers(0, len(train_data["tokens"]), args.batch)
+        lengths = train_data["lengths"][seqs]
+        spans = span_starts(train_data["starts"][seqs], lengths, args.spans, rng)
+        state, (loss, per_depth) = train_step(
+            state, model.params, train_data["tokens"][seqs], lengths, spans,
+            drafter=drafter, optimizer=optimizer, L=args.window,
+        )  # fmt: skip
+        if (step + 1) % 5 == 0:
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+        save(manager, step + 1, state)
+    manager.wait_until_finished()
+    record = run_record(work, args)
+    if first_step < args.steps:  # this invocation trained: record what it measured
+        minutes = (time.perf_counter() - start_time) / 60 + record.get("train_minutes", 0.0)
+        record = run_record(work, args, {
+            "final_loss": round(float(loss), 4),
+            "final_loss_per_depth": [round(float(x), 3) for x in np.asarray(per_depth)],
+            "train_minutes": round(minutes, 1),
+        })  # fmt: skip
+    evaluation = evaluate(drafter, model.params, state["params"], test_data, args.window)
+    settings = {"rank": args.rank, "n_ids": args.ids, "window": args.window,
+                "cpu_tree": args.cpu_tree, "gpu_tree": "comb-8-4"}  # fmt: skip
+    report = {"steps": int(state["step"]), **record, "test": evaluation}
+    params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
+    save_drafter(out, "sdsat", settings, params16, cfg, card(args, cfg, report))
+    print(json.dumps(report, indent=2))
+    print(f"wrote the drafter to {out}")
+    return report
+
+
+def card(args, cfg, report) -> str:
+    test = report["test"]
+    depths = " | ".join(f"{x:.3f}" for x in test["top1_per_depth"])
+    return f"""# SDSAT adapter (mode b) for {cfg.name}
+
+- {args.ids} adaptive token id(s) (input embeddings) and a rank-{args.rank} LoRA adapter on
+  every linear map ({", ".join(LORA_TARGETS)}) of every layer, active only at adaptive
+  positions: the base model's outputs at ordinary tokens are untouched, and verification
+  uses the base model itself. Weights stored in float16.
+- Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
+  ShareGPT train-split conversations (prompts <= {args.prompt_len} tokens, answers
+  <= {args.new_tokens}).
+- Training: {report["steps"]} steps of {args.batch} sequences x {args.spans} spans of
+  window L = {args.window} (row j weighted (L - j) / L, the paper's uniform window), AdamW
+  lr {args.lr} (warm-up, cosine to lr/5, beta2 0.95); {report.get("train_minutes")}
+  minutes of training on the machine that trained it.
+- Final training loss: {report.get("final_loss")} (per depth {report.get("final_loss_per_depth")})
+- Command: `jaxspec-train sdsat {command_flags(args)}`
+
+Test split ({args.test_seqs} ShareGPT test conversations, {test["spans"]} spans): top-1
+accuracy of adaptive token j against the base model's greedy token at depth j+1, and the
+mean number of leading correct drafts of a {args.window}-token chain: **{
+        test["mean_leading_correct"]
+    }**.
+
+| depth 2.. | {" | ".join(str(j + 2) for j in range(args.window))} |
+|---|{"---|" * args.window}
+| top-1 | {depths} |
+"""
+
+
+def main(argv=None) -> None:
+    train(argv)
