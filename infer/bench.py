@@ -23,6 +23,7 @@ from infer.common import METHODS, build_generator, check_method, load_model
 from jaxspec.cli import run_main
 from jaxspec.data.sources import load_questions
 from jaxspec.errors import JaxspecError
+from jaxspec.sampling import Sampling
 from jaxspec.text import encode_conversation
 
 PEERS = ("hf",)
@@ -49,6 +50,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--single-turn", action="store_true", help="only the first turn of each question"
     )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (match_ar is then exact)"
+    )
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -68,20 +74,20 @@ class Runner:
     """One method (optionally METHOD@TREE): generate(prompt_ids, n) -> (new ids, steps,
     seconds excluding compile)."""
 
-    def __init__(self, name, model):
-        self.name = name
+    def __init__(self, name, model, sampling: Sampling | None = None, seed: int = 0):
+        self.name, self.seed = name, seed
         if name == "hf":
             from infer.hf_peer import HFPeer
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
             method, _, tree = name.partition("@")
-            self.generator = build_generator(model, method, tree=tree or None)
+            self.generator = build_generator(model, method, tree=tree or None, sampling=sampling)
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":
             return self.peer.generate(prompt_ids, max_new_tokens)
-        r = self.generator.generate(prompt_ids, max_new_tokens)
+        r = self.generator.generate(prompt_ids, max_new_tokens, self.seed)
         return r.token_ids, r.steps, r.prefill_s + r.decode_s
 
 
@@ -161,7 +167,10 @@ def _main(argv) -> None:
     if not questions:
         raise JaxspecError("no questions selected; check --questions / --limit")
     model = load_model(args.model)
-    runners = {m: Runner(m, model) for m in methods}
+    sampling = Sampling(args.temperature, top_p=args.top_p)
+    if not sampling.greedy and "hf" in methods:
+        raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
+    runners = {m: Runner(m, model, sampling, args.seed) for m in methods}
 
     warm = encode_conversation(
         model.tokenizer, [{"role": "user", "content": questions[0].turns[0]}]
@@ -195,6 +204,8 @@ def _main(argv) -> None:
         "n_questions": len(questions),
         "n_generations": turns,
         "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
         "methods": overall,
         "categories": categories,
     }

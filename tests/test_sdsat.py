@@ -167,3 +167,45 @@ def test_the_adaptive_vocabulary_round_trips_and_is_refused_for_another_model(tm
     other, _ = tiny("tiny-mqa", vocab=57)
     with pytest.raises(JaxspecError, match="trained for"):
         load_drafter(tmp_path, "sdsat", other)
+
+
+def test_inplace_spans_stay_inside_the_answer_and_count_offsets():
+    from train.sdsat_full import inplace_spans
+
+    rng = np.random.default_rng(0)
+    starts, lengths = np.array([5, 9]), np.array([30, 20])
+    masked, offset = inplace_spans(starts, lengths, 32, 4, 0.3, rng)
+    for b in range(2):
+        where = np.flatnonzero(masked[b])
+        assert where.size and where.min() >= starts[b] and where.max() < lengths[b] - 1
+        run_starts = where[offset[b, where] == 0]
+        for p in where:  # offsets count up from each span's first replaced position
+            assert offset[b, p] == p - run_starts[run_starts <= p].max()
+    assert offset.max() < 4
+
+
+def test_full_fine_tuning_extends_the_vocabulary_and_decodes_losslessly(tiny_ckpt, tmp_path):
+    """Mode (a): the checkpoint gains the adaptive ids (its rows are the drafter's), and
+    two-step decoding with the fine-tuned model equals that model's own AR."""
+    import train.sdsat as sdsat
+    from infer.common import build_generator, load_model
+    from tests.test_medusa import conversations
+
+    args = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp_path / "work"),
+            "--out", str(tmp_path / "full"), "--mode", "full", "--train-seqs", "6",
+            "--test-seqs", "3", "--prompt-len", "40", "--new-tokens", "16", "--batch", "2",
+            "--window", "3", "--ids", "2", "--steps", "3", "--lr", "0.01",
+            "--mask-rate", "0.3", "--cpu-tree", "chain-3"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sdsat, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        report = sdsat.train(args)
+    assert report["steps"] == 3 and report["final_adaptive_loss"] > 0
+    base, tuned = load_model(tiny_ckpt[0]), load_model(tmp_path / "full")
+    assert tuned.cfg.vocab_size == base.cfg.vocab_size + 2
+    gen = build_generator(tuned, "sdsat", tmp_path / "full" / "sdsat")
+    np.testing.assert_allclose(
+        gen.drafter_params["embed"], tuned.params["embed_tokens"][base.cfg.vocab_size :]
+    )
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(tuned.cfg, tuned.params).generate(prompt, 20).token_ids
+    assert gen.generate(prompt, 20).token_ids == ar

@@ -40,6 +40,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
 from train.checkpoints import command_flags, resume, run_record, save
+from train.sdsat_full import train_full
 from train.selfdata import generate_answers
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -52,6 +53,14 @@ def parse_args(argv):
     p.add_argument(
         "--work-dir", type=Path, help="answers and checkpoints (default: in $JAXSPEC_HOME)"
     )
+    p.add_argument(
+        "--mode",
+        choices=("adapter", "full"),
+        default="adapter",
+        help="adapter: mode (b), lossless against the original model (shipped); full: mode "
+        "(a), the paper's full fine-tuning, writes a whole checkpoint to --out",
+    )
+    p.add_argument("--mask-rate", type=float, default=0.1, help="full mode: span start rate")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the adapter")
     p.add_argument("--ids", type=int, default=1, help="distinct adaptive token ids")
     p.add_argument("--window", type=int, default=8, help="max mask window L")
@@ -191,8 +200,7 @@ def train(argv) -> dict:
     model = load_model(args.model)
     cfg = model.cfg
     root = args.work_dir or jaxspec_home() / "train" / cfg.name
-    work = args.work_dir or root / "sdsat"
-    out = args.out or REPO_DRAFTERS / cfg.name / "sdsat"
+    work = args.work_dir or root / f"sdsat-{args.mode}"
     start_time = time.perf_counter()
 
     def answers(split, n):
@@ -201,6 +209,15 @@ def train(argv) -> dict:
                                 args.prompt_len, args.new_tokens)  # fmt: skip
 
     train_data, test_data = answers("train", args.train_seqs), answers("test", args.test_seqs)
+    if args.mode == "full":
+        out = args.out or jaxspec_home() / "models" / f"{cfg.name}-sdsat-full"
+        report = train_full(args, model, train_data, work, out, lambda drafter, p, dp: evaluate(
+            drafter, p, dp, test_data, args.window
+        ))  # fmt: skip
+        print(json.dumps(report, indent=2))
+        print(f"wrote the fine-tuned model to {out} (its drafter: {out / 'sdsat'})")
+        return report
+    out = args.out or REPO_DRAFTERS / cfg.name / "sdsat"
     drafter = SdsatDrafter(cfg, args.rank, args.ids)
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, max(args.steps // 5, 1), args.steps, end_value=args.lr / 5

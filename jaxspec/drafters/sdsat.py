@@ -13,8 +13,10 @@ x a b (a [in,r], b [r,out], b zero-initialised) on each linear map, applied only
 token is adaptive (jnp.where: ordinary positions compute exactly the base model's values).
 Adaptive token j uses embedding row min(j, n_ids - 1): n_ids = 1 is one id repeated (the
 paper's recommendation: any k works), n_ids > 1 the paper's "diverse" tokens.
-The adaptive ids are not in the model's vocabulary: the base lm_head scores the original
-vocabulary only, so a draft is always an ordinary token.
+In mode (b) the adaptive ids are not in the model's vocabulary: the base lm_head scores
+the original vocabulary only, so a draft is always an ordinary token. Mode (a), the paper's
+full fine-tuning, extends the model's vocabulary instead (`extend_vocabulary`) and drafts
+with rank 0 (no adapter): the fine-tuned model both drafts and verifies.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class SdsatDrafter(Drafter):
         adapter starts as the base model fed that mean embedding)."""
         mean = jnp.mean(base_params["embed_tokens"].astype(jnp.float32), axis=0)
         layers = []
-        for i, layer in enumerate(base_params["layers"]):
+        for i, layer in enumerate(base_params["layers"] if self.rank else []):
             lora = {}
             for j, name in enumerate(LORA_TARGETS):
                 d_in, d_out = layer[name].shape
@@ -61,7 +63,9 @@ class SdsatDrafter(Drafter):
 
     def linears(self, dparams, adaptive: jax.Array):
         """adaptive [B,T] bool -> run_layers' `linears`: the base maps plus LoRA at adaptive
-        positions."""
+        positions (None, the plain maps, at rank 0)."""
+        if not self.rank:
+            return None
         where = adaptive[..., None]
 
         def for_layer(i, p):
@@ -87,6 +91,12 @@ class SdsatDrafter(Drafter):
             linears=self.linears(dparams, adaptive),
         )  # fmt: skip
         return lm_logits(params, self.cfg, h)
+
+    def __post_init__(self):
+        if self.rank < 0 or self.n_ids < 1:
+            raise JaxspecError(
+                f"sdsat needs rank >= 0 and n_ids >= 1, got {self.rank}, {self.n_ids}"
+            )
 
     def check_tree(self, tree: TreeSpec) -> None:
         if tree.max_depth < 1:
@@ -116,3 +126,17 @@ class SdsatDrafter(Drafter):
     def propose(self, params, drafter_params, tree, inputs, key):
         # Drafts come from draft_from_cache, after the commit.
         return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)
+
+
+def extend_vocabulary(cfg: LlamaConfig, params: dict, rows: jax.Array):
+    """Adaptive tokens as real ids V..V+n-1 (mode a): embedding rows [n,D] appended and, for
+    an untied lm_head, zero output columns (training pushes their logits down) ->
+    (config with vocab_size V+n, params)."""
+    params = dict(params)
+    params["embed_tokens"] = jnp.concatenate(
+        [params["embed_tokens"], rows.astype(params["embed_tokens"].dtype)]
+    )
+    if not cfg.tie_embeddings:
+        head = params["lm_head"]
+        params["lm_head"] = jnp.concatenate([head, jnp.zeros((cfg.dim, len(rows)), head.dtype)], 1)
+    return dataclasses.replace(cfg, vocab_size=cfg.vocab_size + len(rows)), params
