@@ -103,8 +103,18 @@ def test_bench_bad_questions(tmp_path, capsys):
 
 
 def test_train_names_what_exists(capsys):
-    err = one_line_error(train_main, ["sdsat"], capsys)
-    assert "no trainer for method 'sdsat' in this version (available: medusa, firp, chimera)" in err
+    err = one_line_error(train_main, ["ppd"], capsys)
+    assert (
+        "no trainer for method 'ppd' in this version (available: medusa, firp, chimera, sdsat)"
+        in err
+    )
+
+
+def test_bench_refuses_sampling_for_the_greedy_peer(tiny_ckpt, tmp_path, capsys):
+    (tmp_path / "q.jsonl").write_text('{"question_id": 1, "turns": ["w5"]}\n')
+    argv = ["--methods", "ar,hf", "--questions", str(tmp_path / "q.jsonl"),
+            "--temperature", "0.7", "--model", str(tiny_ckpt[0])]  # fmt: skip
+    assert "greedy only" in one_line_error(bench_main, argv, capsys)
 
 
 def test_roofline_reports_a_fraction(capsys):

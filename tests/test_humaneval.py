@@ -5,7 +5,7 @@ from __future__ import annotations
 from infer.humaneval import passes, program
 
 PROBLEM = {
-    "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n",
+    "prompt": 'def add(a, b):\n    """Sum."""\n',
     "entry_point": "add",
     "test": "def check(f):\n    assert f(2, 3) == 5\n",
 }
