@@ -86,6 +86,8 @@ def test_random_drafter_is_lossless_on_the_default_model(models):
         ("firp", "searched-16"),
         ("chimera", None),
         ("chimera", "searched-16"),
+        ("sdsat", None),
+        ("sdsat", "comb-6-3"),
     ],  # fmt: skip
 )
 def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree):
@@ -97,4 +99,5 @@ def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree
     ar = build_generator(ours, "ar").generate(ids, 48)
     spec = build_generator(ours, method, tree=tree).generate(ids, 48)  # shipped drafter
     assert spec.token_ids == ar.token_ids
-    assert spec.steps < ar.steps  # drafts were accepted
+    # Drafts were accepted (an SDSAT loop emits >= 2 tokens even with none accepted).
+    assert spec.steps < (ar.steps + 1) // 2 if method == "sdsat" else spec.steps < ar.steps
