@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import jax
-import pytest
+# Four virtual CPU devices (PPD's pipelined decoding needs k + 1 devices); set before
+# jax initialises its backends. Everything else runs on device 0 as before.
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = flags.strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
