@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from infer.common import METHODS, build_generator, check_method, load_model
+from infer.common import METHODS, build_generator, check_method, load_model, provide_devices
 from jaxspec.cli import run_main
 from jaxspec.data.sources import load_questions
 from jaxspec.errors import JaxspecError
@@ -35,7 +35,8 @@ def parse_args(argv=None):
         "--methods",
         default="ar",
         help=f"comma list of {', '.join(METHODS + PEERS)}; METHOD@TREE picks a tree "
-        "(e.g. medusa@searched-16,firp@searched-16: the same node budget)",
+        "(e.g. medusa@searched-16,firp@searched-16: the same node budget), ppd@LAYER the "
+        "early-prediction layer",
     )
     p.add_argument(
         "--questions",
@@ -55,6 +56,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ppd-k", type=int, default=3, help="ppd rows: sub-processes")
     return p.parse_args(argv)
 
 
@@ -71,18 +73,26 @@ def select(questions, limit, per_category):
 
 
 class Runner:
-    """One method (optionally METHOD@TREE): generate(prompt_ids, n) -> (new ids, steps,
+    """One method (optionally METHOD@TREE or ppd@LAYER): generate(prompt_ids, n) -> (new ids, steps,
     seconds excluding compile)."""
 
-    def __init__(self, name, model, sampling: Sampling | None = None, seed: int = 0):
+    def __init__(self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=3):
         self.name, self.seed = name, seed
         if name == "hf":
             from infer.hf_peer import HFPeer
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
-            method, _, tree = name.partition("@")
-            self.generator = build_generator(model, method, tree=tree or None, sampling=sampling)
+            method, _, option = name.partition("@")
+            if method == "ppd":  # ppd@LAYER picks the early-prediction layer
+                self.generator = build_generator(
+                    model, method, sampling=sampling, ppd_k=ppd_k,
+                    ppd_layer=int(option) if option else None,
+                )  # fmt: skip
+            else:
+                self.generator = build_generator(
+                    model, method, tree=option or None, sampling=sampling
+                )
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":
@@ -163,6 +173,8 @@ def _main(argv) -> None:
         if m not in PEERS:
             check_method(m.partition("@")[0])
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    if any(m.startswith("ppd") for m in methods):
+        provide_devices(args.ppd_k + 1)
     questions = select(load_questions(args.questions), args.limit, args.per_category)
     if not questions:
         raise JaxspecError("no questions selected; check --questions / --limit")
@@ -170,7 +182,7 @@ def _main(argv) -> None:
     sampling = Sampling(args.temperature, top_p=args.top_p)
     if not sampling.greedy and "hf" in methods:
         raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
-    runners = {m: Runner(m, model, sampling, args.seed) for m in methods}
+    runners = {m: Runner(m, model, sampling, args.seed, args.ppd_k) for m in methods}
 
     warm = encode_conversation(
         model.tokenizer, [{"role": "user", "content": questions[0].turns[0]}]

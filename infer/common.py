@@ -4,6 +4,7 @@ building a generator for any method with its default drafter."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import jax
@@ -17,7 +18,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
-METHODS = ("ar", "medusa", "firp", "chimera", "sdsat")  # grows as drafters land: ppd
+METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 CPU_TREE = "chain-1"
 
@@ -35,6 +36,15 @@ def load_model(path: Path | None = None) -> LoadedModel:
     path = Path(path) if path else ensure_default_model()
     cfg, params = load_checkpoint(path)
     return LoadedModel(path, cfg, params, load_tokenizer(path))
+
+
+def provide_devices(n: int) -> None:
+    """Ask for n virtual CPU devices (PPD's k + 1 processes) unless XLA_FLAGS already sets a
+    count; only effective before jax starts its backends, which it does on first use. On
+    CPU the virtual devices share the machine's cores."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def check_method(method: str) -> None:
@@ -87,6 +97,24 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
     return FirpDrafter(cfg, tuple(settings["layers"]))
 
 
+def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k, layer):
+    """PPD with the shipped early-prediction head for `layer` when there is one (else the
+    untrained early exit); layer None: the shipped default, else ceil(d/2)."""
+    from jaxspec.drafters.store import load_drafter
+    from jaxspec.ppd import PpdGenerator
+
+    if sampling is not None and not sampling.greedy:
+        raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
+    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / "ppd"
+    settings, heads = {}, {}
+    if drafter_dir.is_dir():
+        settings, params = load_drafter(drafter_dir, "ppd", model.cfg)
+        heads = params["heads"]
+    layer = layer or settings.get("default_layer") or (model.cfg.n_layers + 1) // 2
+    head = heads.get(str(layer))
+    return PpdGenerator(model.cfg, model.params, k, layer, head, max_len)
+
+
 def build_generator(
     model: LoadedModel,
     method: str,
@@ -94,8 +122,12 @@ def build_generator(
     tree: str | None = None,
     sampling: Sampling | None = None,
     max_len: int | None = None,
+    ppd_k: int = 3,
+    ppd_layer: int | None = None,
 ) -> SpeculativeGenerator:
     check_method(method)
+    if method == "ppd":
+        return build_ppd(model, drafter_dir, sampling, max_len, ppd_k, ppd_layer)
     if method == "ar":
         return SpeculativeGenerator(model.cfg, model.params, sampling=sampling, max_len=max_len)
     from jaxspec.drafters.store import load_drafter

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from infer.common import METHODS, build_generator, check_method, load_model
+from infer.common import METHODS, build_generator, check_method, load_model, provide_devices
 from jaxspec.cli import run_main
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
@@ -46,6 +46,8 @@ def parse_args(argv=None):
         action="store_true",
         help="Medusa's typical acceptance (faster, NOT lossless: changes the output distribution)",
     )
+    p.add_argument("--ppd-k", type=int, default=3, help="ppd: sub-processes (needs k+1 devices)")
+    p.add_argument("--ppd-layer", type=int, help="ppd: early-prediction layer (>= half the depth)")
     p.add_argument("--max-len", type=int, help="cache length limit (default: the model's context)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -59,11 +61,16 @@ def main(argv=None) -> None:
 def _main(argv) -> None:
     args = parse_args(argv)
     check_method(args.method)
+    if args.method == "ppd":
+        provide_devices(args.ppd_k + 1)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     model = load_model(args.model)
     prompt_ids = [encode_prompt(model.tokenizer, p, chat=not args.no_chat) for p in prompts]
-    generator = build_generator(model, args.method, args.drafter, args.tree, sampling, args.max_len)
+    generator = build_generator(
+        model, args.method, args.drafter, args.tree, sampling, args.max_len, args.ppd_k,
+        args.ppd_layer,
+    )  # fmt: skip
     if len(prompt_ids) > 1:
         results = generator.generate_batch(prompt_ids, args.max_new_tokens, args.seed)
         for result in results:

@@ -38,6 +38,19 @@ def test_generate_json(tiny_ckpt, capsys):
     assert got["new_tokens"] == len(got["token_ids"]) and got["mean_accepted"] == 1.0
 
 
+def test_generate_ppd_equals_ar(tiny_ckpt, capsys):
+    """4 virtual devices (tests/conftest.py): k = 3 sub-processes."""
+    ckpt, _ = tiny_ckpt
+    argv = ["--model", str(ckpt), "--json", "--max-new-tokens", "16", "w5 w9 w7"]
+    ar = json.loads(run_ok(generate_main, argv, capsys))
+    ppd = json.loads(run_ok(generate_main, ["--method", "ppd", "--ppd-layer", "1", *argv], capsys))
+    assert ppd["token_ids"] == ar["token_ids"] and ppd["method"] == "ppd"
+    err = one_line_error(generate_main, ["--method", "ppd", "--ppd-k", "4", *argv], capsys)
+    assert "needs 5 devices, 4 found" in err
+    err = one_line_error(generate_main, ["--method", "ppd", "--temperature", "1", *argv], capsys)
+    assert "ppd decodes greedily" in err
+
+
 def test_generate_batch_json_lines(tiny_ckpt, capsys):
     ckpt, _ = tiny_ckpt
     argv = ["--model", str(ckpt), "--json", "--max-new-tokens", "9", "w5 w9 w7", "w3"]
