@@ -101,7 +101,7 @@ def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k
     """PPD with the shipped early-prediction head for `layer` when there is one (else the
     untrained early exit); layer None: the shipped default, else ceil(d/2)."""
     from jaxspec.drafters.store import load_drafter
-    from jaxspec.ppd import PpdGenerator
+    from jaxspec.ppd import PpdGenerator, head_name
 
     if sampling is not None and not sampling.greedy:
         raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
@@ -111,7 +111,7 @@ def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k
         settings, params = load_drafter(drafter_dir, "ppd", model.cfg)
         heads = params["heads"]
     layer = layer or settings.get("default_layer") or (model.cfg.n_layers + 1) // 2
-    head = heads.get(str(layer))
+    head = heads.get(head_name(layer))
     return PpdGenerator(model.cfg, model.params, k, layer, head, max_len)
 
 

@@ -42,6 +42,12 @@ def early_logits(params, cfg: LlamaConfig, head, h: jax.Array) -> jax.Array:
     return lm_logits(params, cfg, h)
 
 
+def head_name(layer: int) -> str:
+    """The key of layer's head in a PPD drafter's params (not a bare number: drafter files
+    read all-digit keys back as list indices)."""
+    return f"layer{layer}"
+
+
 def check_settings(cfg: LlamaConfig, k: int, layer: int, n_devices: int) -> None:
     if not 1 <= layer < cfg.n_layers:
         raise JaxspecError(f"--ppd-layer must be in 1..{cfg.n_layers - 1}, got {layer}")

@@ -57,3 +57,29 @@ def test_bad_settings_are_clear_errors(k, layer, devices, message):
     cfg, _ = deep_tiny()
     with pytest.raises(JaxspecError, match=message):
         check_settings(cfg, k, layer, devices)
+
+
+def test_ppd_training_resumes_and_ships_heads(tiny_ckpt, tmp_path):
+    import train.ppd as ppd
+    from infer.common import build_generator, load_model
+    from tests.test_medusa import conversations
+
+    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp_path / "work"),
+              "--out", str(tmp_path / "out"), "--layers", "1,2", "--train-seqs", "6",
+              "--test-seqs", "3", "--prompt-len", "40", "--new-tokens", "16", "--batch", "2",
+              "--rows", "8", "--save-every", "2", "--lr", "0.01"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ppd, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        first = ppd.train([*common, "--steps", "2"])
+        second = ppd.train([*common, "--steps", "4"])
+    assert first["steps"] == 2 and second["steps"] == 4
+    assert first["final_loss"] != second["final_loss"]
+    rates = second["p_correct"]["layer1"]
+    assert 0 <= rates["untrained"]["top1"] <= rates["untrained"]["top5"] <= 1
+    assert second["default_layer"] in (1, 2)
+    model = load_model(tiny_ckpt[0])
+    gen = build_generator(model, "ppd", tmp_path / "out", ppd_k=2, ppd_layer=1)
+    assert gen.head is not None
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 20).token_ids
+    assert gen.generate(prompt, 20).token_ids == ar

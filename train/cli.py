@@ -36,8 +36,14 @@ def _sdsat(argv):
     main(argv)
 
 
+def _ppd(argv):
+    from train.ppd import main
+
+    main(argv)
+
+
 # method name -> main(argv)
-TRAINERS = {"medusa": _medusa, "firp": _firp, "chimera": _chimera, "sdsat": _sdsat}
+TRAINERS = {"medusa": _medusa, "firp": _firp, "chimera": _chimera, "sdsat": _sdsat, "ppd": _ppd}
 PLANNED = ("medusa", "firp", "chimera", "sdsat", "ppd")
 
 

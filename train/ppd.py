@@ -1,0 +1,227 @@
+"""jaxspec-train ppd: early-prediction heads for PPD, one per chosen layer, on a frozen model.
+
+Each head is h + SiLU(h W + b) (W, b zero-initialised: the untrained early exit) followed
+by the model's own final norm and lm_head, trained so that its distribution at layer d̄
+matches the model's final one (KL self-distillation, our adaptation of the paper's
+Table 4 recipe to a frozen shared lm_head) on the model's own greedy answers to ShareGPT
+train-split prompts. Evaluation: p_correct (the final greedy token among the early
+top-k) per layer, untrained and trained, on the test split. The drafter's default layer
+maximises the expected saving (d - d̄) p_correct(k=3) per token (Theorem 4.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from infer.common import load_model
+from jaxspec.checkpoint import jaxspec_home
+from jaxspec.data.sources import sharegpt_split
+from jaxspec.drafters.store import save_drafter
+from jaxspec.kv_cache import causal_mask
+from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.ppd import early_logits, head_name
+from train.checkpoints import command_flags, resume, run_record, save
+from train.selfdata import generate_answers
+
+REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+KS = (1, 3, 5)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="jaxspec-train ppd", description=__doc__)
+    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
+    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/ppd)")
+    p.add_argument("--work-dir", type=Path, help="answers and checkpoints")
+    p.add_argument("--layers", default="10,15,20,25,28", help="layers with a head")
+    p.add_argument("--train-seqs", type=int, default=800)
+    p.add_argument("--test-seqs", type=int, default=40)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=192)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--rows", type=int, default=64, help="answer positions per sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layers"))
+def layer_states(params, tokens, rows, *, cfg, layers):
+    """tokens [B,S], rows [B,R] -> {layer: states [B,R,D]} and the final logits [B,R,V]."""
+    B, S = tokens.shape
+    collect = tuple(layers) + (cfg.n_layers,)
+    _, _, states = run_layers(params, cfg, embed(params, tokens), jnp.arange(S)[None], None,
+                              causal_mask(B, S), collect=collect)  # fmt: skip
+    at = {i: jnp.take_along_axis(states[i], rows[..., None], 1) for i in collect}
+    return {i: at[i] for i in layers}, lm_logits(params, cfg, at[cfg.n_layers])
+
+
+@partial(jax.jit, static_argnames=("cfg", "optimizer"), donate_argnames=("state",))
+def train_step(state, params, states, final_logits, valid, *, cfg, optimizer):
+    teacher = jax.nn.softmax(final_logits, -1)
+
+    def loss_fn(heads):
+        losses = {}
+        for layer, h in states.items():
+            ce = optax.softmax_cross_entropy(early_logits(params, cfg, heads[head_name(layer)], h),
+                                             teacher)  # fmt: skip
+            losses[layer] = (ce * valid).sum() / valid.sum()
+        return sum(losses.values()), losses
+
+    (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+           "step": state["step"] + 1}  # fmt: skip
+    return new, losses
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def match_hits(params, heads, states, final_logits, valid, *, cfg):
+    """-> {layer: [untrained hits, trained hits] at top-1, 3, 5} over valid rows."""
+    target = jnp.argmax(final_logits, -1)
+    out = {}
+    for layer, h in states.items():
+        counts = []
+        for head in (None, heads[head_name(layer)]):
+            top = jax.lax.top_k(early_logits(params, cfg, head, h), max(KS))[1]
+            hit = jnp.cumsum(top == target[..., None], -1) > 0  # [B,R,5]
+            counts.append(jnp.stack([(hit[..., k - 1] & valid).sum() for k in KS]))
+        out[layer] = jnp.stack(counts)
+    return out
+
+
+def answer_rows(data, seqs, R, rng=None):
+    """-> rows [B,R] inside each answer (sampled, or the first R when rng is None), valid."""
+    starts, lengths = data["starts"][seqs], data["lengths"][seqs]
+    if rng is None:
+        rows = starts[:, None] - 1 + np.arange(R)[None]
+    else:
+        rows = starts[:, None] - 1 + (rng.random((len(seqs), R)) * (lengths - starts)[:, None])
+    rows = rows.astype(np.int32)
+    valid = rows < (lengths - 1)[:, None]
+    return np.minimum(rows, data["tokens"].shape[1] - 1), valid
+
+
+def evaluate(model, heads, data, layers) -> dict:
+    """p_correct at top-1/3/5 per layer, untrained and trained, on every answer row."""
+    hits, total = {layer: np.zeros((2, len(KS))) for layer in layers}, 0
+    width = data["tokens"].shape[1]
+    for n in range(len(data["tokens"])):
+        rows, valid = answer_rows(data, np.array([n]), width)
+        states, final = layer_states(model.params, data["tokens"][n : n + 1], rows,
+                                     cfg=model.cfg, layers=layers)  # fmt: skip
+        got = match_hits(model.params, heads, states, final, valid, cfg=model.cfg)
+        for layer in layers:
+            hits[layer] += np.asarray(got[layer])
+        total += int(valid.sum())
+    return {
+        head_name(layer): {
+            name: {f"top{k}": round(float(x), 4) for k, x in zip(KS, hits[layer][i] / total,
+                                                                  strict=True)}
+            for i, name in enumerate(("untrained", "trained"))
+        }
+        for layer in layers
+    }  # fmt: skip
+
+
+def train(argv) -> dict:
+    args = parse_args(argv)
+    model = load_model(args.model)
+    cfg = model.cfg
+    layers = tuple(int(x) for x in args.layers.split(","))
+    root = args.work_dir or jaxspec_home() / "train" / cfg.name
+    work = args.work_dir or root / "ppd"
+    out = args.out or REPO_DRAFTERS / cfg.name / "ppd"
+    start_time = time.perf_counter()
+
+    def answers(split, n):
+        name = f"self-{split}-{n}-p{args.prompt_len}-n{args.new_tokens}.npz"
+        return generate_answers(model, sharegpt_split(split), n, root / name,
+                                args.prompt_len, args.new_tokens)  # fmt: skip
+
+    train_data, test_data = answers("train", args.train_seqs), answers("test", args.test_seqs)
+    D = cfg.dim
+    heads = {head_name(layer): {"w": jnp.zeros((D, D)), "b": jnp.zeros((D,))} for layer in layers}
+    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
+    state = {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.int32(0)}
+    manager, state, resumed = resume(work, args, state)
+    if resumed:
+        print(f"resumed from step {int(state['step'])}")
+    first_step = int(state["step"])
+    losses = {}
+    for step in (bar := tqdm(range(first_step, args.steps), desc="train ppd", unit="step")):
+        rng = np.random.default_rng([args.seed, step])
+        seqs = rng.integers(0, len(train_data["tokens"]), args.batch)
+        rows, valid = answer_rows(train_data, seqs, args.rows, rng)
+        states, final = layer_states(model.params, train_data["tokens"][seqs], rows, cfg=cfg,
+                                     layers=layers)  # fmt: skip
+        state, losses = train_step(state, model.params, states, final, valid, cfg=cfg,
+                                   optimizer=optimizer)  # fmt: skip
+        if (step + 1) % 10 == 0:
+            bar.set_postfix(loss=" ".join(f"{float(v):.2f}" for v in losses.values()))
+        save(manager, step + 1, state)
+    manager.wait_until_finished()
+    record = run_record(work, args)
+    if first_step < args.steps:
+        minutes = (time.perf_counter() - start_time) / 60 + record.get("train_minutes", 0.0)
+        record = run_record(work, args, {
+            "final_loss": {str(k): round(float(v), 4) for k, v in losses.items()},
+            "train_minutes": round(minutes, 1),
+        })  # fmt: skip
+    match = evaluate(model, state["params"], test_data, layers)
+    usable = [layer for layer in layers if 2 * layer >= cfg.n_layers]
+    default = max(
+        usable,
+        key=lambda layer: (cfg.n_layers - layer) * match[head_name(layer)]["trained"]["top3"],
+    )
+    settings = {"layers": list(layers), "default_layer": default}
+    report = {"steps": int(state["step"]), **record, "default_layer": default, "p_correct": match}
+    params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), {"heads": state["params"]})
+    save_drafter(out, "ppd", settings, params16, cfg, card(args, cfg, report))
+    print(json.dumps(report, indent=2))
+    print(f"wrote the heads to {out}")
+    return report
+
+
+def card(args, cfg, report) -> str:
+    rows = "\n".join(
+        f"| {layer} | " + " | ".join(
+            f"{m['untrained'][f'top{k}']:.3f} / {m['trained'][f'top{k}']:.3f}" for k in KS
+        ) + " |"
+        for layer, m in report["p_correct"].items()
+    )  # fmt: skip
+    return f"""# PPD early-prediction heads for {cfg.name}
+
+- One head per layer ({args.layers} of {cfg.n_layers}): h + SiLU(h W + b), then the model's
+  own final norm and lm_head (shared, frozen). Weights stored in float16.
+- Data: the base model's own greedy answers to {args.train_seqs} ShareGPT train-split
+  first turns; KL to the model's final distribution at {args.rows} answer positions per
+  sequence.
+- Training: {report["steps"]} steps of {args.batch} sequences, AdamW lr {args.lr} cosine;
+  {report.get("train_minutes")} minutes on the machine that trained it; final loss per
+  layer {report.get("final_loss")}.
+- Default layer: {report["default_layer"]} (largest (d - d̄) p_correct(k=3)).
+- Command: `jaxspec-train ppd {command_flags(args)}`
+
+p_correct on the test split ({args.test_seqs} conversations; the final greedy token among
+the early top-k), untrained / trained:
+
+| layer | k=1 | k=3 | k=5 |
+|---|---|---|---|
+{rows}
+"""
+
+
+def main(argv=None) -> None:
+    train(argv)
