@@ -87,17 +87,17 @@ def train_step(state, params, states, final_logits, valid, *, cfg, optimizer):
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def match_hits(params, heads, states, final_logits, valid, *, cfg):
-    """-> {layer: [untrained hits, trained hits] at top-1, 3, 5} over valid rows."""
-    target = jnp.argmax(final_logits, -1)
+def match_hits(params, heads, states, targets, *, cfg):
+    """targets [B,R] (the tokens that came next) -> {layer: [2,B,R,len(KS)] bool}: target
+    among the untrained (0) / trained (1) early top-k, for k in KS."""
     out = {}
     for layer, h in states.items():
-        counts = []
+        hits = []
         for head in (None, heads[head_name(layer)]):
             top = jax.lax.top_k(early_logits(params, cfg, head, h), max(KS))[1]
-            hit = jnp.cumsum(top == target[..., None], -1) > 0  # [B,R,5]
-            counts.append(jnp.stack([(hit[..., k - 1] & valid).sum() for k in KS]))
-        out[layer] = jnp.stack(counts)
+            hit = jnp.cumsum(top == targets[..., None], -1) > 0  # [B,R,5]
+            hits.append(jnp.stack([hit[..., k - 1] for k in KS], -1))
+        out[layer] = jnp.stack(hits)
     return out
 
 
@@ -121,9 +121,9 @@ def evaluate(model, heads, data, layers) -> dict:
         rows, valid = answer_rows(data, np.array([n]), width)
         states, final = layer_states(model.params, data["tokens"][n : n + 1], rows,
                                      cfg=model.cfg, layers=layers)  # fmt: skip
-        got = match_hits(model.params, heads, states, final, valid, cfg=model.cfg)
+        got = match_hits(model.params, heads, states, jnp.argmax(final, -1), cfg=model.cfg)
         for layer in layers:
-            hits[layer] += np.asarray(got[layer])
+            hits[layer] += np.asarray(got[layer] & valid[None, :, :, None]).sum((1, 2))
         total += int(valid.sum())
     return {
         head_name(layer): {
