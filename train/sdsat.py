@@ -73,7 +73,7 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--cpu-tree", default="chain-5", help="the tree generation uses on CPU")
+    p.add_argument("--cpu-tree", default="chain-2", help="the tree generation uses on CPU")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -268,10 +268,10 @@ def card(args, cfg, report) -> str:
     depths = " | ".join(f"{x:.3f}" for x in test["top1_per_depth"])
     return f"""# SDSAT adapter (mode b) for {cfg.name}
 
-- {args.ids} adaptive token id(s) (input embeddings) and a rank-{args.rank} LoRA adapter on
-  every linear map ({", ".join(LORA_TARGETS)}) of every layer, active only at adaptive
-  positions: the base model's outputs at ordinary tokens are untouched, and verification
-  uses the base model itself. Weights stored in float16.
+- {args.ids} adaptive token id(s) (input embeddings) and a rank-{args.rank} LoRA adapter
+  on every linear map of every layer ({", ".join(LORA_TARGETS)}), active only at
+  adaptive positions: the base model's outputs at ordinary tokens are untouched, and
+  verification uses the base model itself. Weights stored in float16.
 - Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
   ShareGPT train-split conversations (prompts <= {args.prompt_len} tokens, answers
   <= {args.new_tokens}).
