@@ -101,3 +101,18 @@ def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree
     assert spec.token_ids == ar.token_ids
     # Drafts were accepted (an SDSAT loop emits >= 2 tokens even with none accepted).
     assert spec.steps < (ar.steps + 1) // 2 if method == "sdsat" else spec.steps < ar.steps
+
+
+@pytest.mark.parametrize("layer", [None, 25])
+def test_ppd_is_greedy_on_the_default_model(models, layer):
+    """4 virtual devices (tests/conftest.py), k = 3, the shipped head for the layer."""
+    from infer.common import build_generator
+    from jaxspec.text import encode_prompt
+
+    ours, _ = models
+    ids = encode_prompt(ours.tokenizer, "Write a short poem about the sea.")
+    ar = build_generator(ours, "ar").generate(ids, 48)
+    gen = build_generator(ours, "ppd", ppd_k=3, ppd_layer=layer)
+    assert gen.head is not None  # the shipped heads cover the default and layer 25
+    assert gen.generate(ids, 48).token_ids == ar.token_ids
+    assert any(gen.last_stats.matches)
