@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import MIN_CACHE_LEN, MIN_PROMPT_BUCKET, GenerationResult, bucket
+from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
 from jaxspec.llama import embed, final_norm, lm_logits, run_layers, vocab_projection
 from jaxspec.sampling import Sampling, position_keys, select_tokens
@@ -300,18 +300,8 @@ class SpeculativeGenerator:
         return dict(cfg=self.cfg, sampling=self.sampling, tree=self.tree, drafter=self.drafter)
 
     def cache_len(self, prompt_len: int, max_new_tokens: int) -> int:
-        if prompt_len == 0:
-            raise JaxspecError("empty prompt: pass some text (or token ids) to generate from")
-        if max_new_tokens < 1:
-            raise JaxspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         # A step may write max_depth + 1 slots past the last token kept.
-        needed = prompt_len + max_new_tokens + self.tree.max_depth + 1
-        if needed > self.max_len:
-            raise JaxspecError(
-                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the "
-                f"cache of {self.max_len} positions; shorten the prompt or lower --max-new-tokens"
-            )
-        return min(bucket(needed, MIN_CACHE_LEN), self.max_len)
+        return cache_len(prompt_len, max_new_tokens, self.tree.max_depth + 1, self.max_len)
 
     def _programs(self, pre_args, cache: KVCache) -> tuple[tuple[Callable, ...], float]:
         """AOT-compiled (prefill, step, commit prompt, commit path, redraft or None) for

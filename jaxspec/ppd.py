@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import MIN_CACHE_LEN, GenerationResult, bucket
+from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVBlock, causal_mask, commit, init_cache
 from jaxspec.llama import embed, lm_logits, run_layers
 
@@ -127,17 +127,9 @@ class PpdGenerator:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens=None) -> GenerationResult:  # fmt: skip
-        if not prompt_ids:
-            raise JaxspecError("empty prompt: pass some text (or token ids) to generate from")
-        needed = len(prompt_ids) + max_new_tokens + 1
-        if needed > self.max_len:
-            raise JaxspecError(
-                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the "
-                f"cache of {self.max_len} positions; shorten the prompt or lower --max-new-tokens"
-            )
         cfg, m, dbar = self.cfg, self.m, self.layer
-        S = min(bucket(needed, MIN_CACHE_LEN), self.max_len)
-        P = bucket(len(prompt_ids), 16)
+        S = cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len)
+        P = bucket(len(prompt_ids), MIN_PROMPT_BUCKET)
         tokens = np.zeros((1, P), np.int32)
         tokens[0, : len(prompt_ids)] = prompt_ids
         length = jnp.asarray([len(prompt_ids)], jnp.int32)

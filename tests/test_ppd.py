@@ -60,6 +60,7 @@ def test_bad_settings_are_clear_errors(k, layer, devices, message):
 
 
 def test_ppd_training_resumes_and_ships_heads(tiny_ckpt, tmp_path):
+    import train.features as features
     import train.ppd as ppd
     from infer.common import build_generator, load_model
     from tests.test_medusa import conversations
@@ -69,7 +70,7 @@ def test_ppd_training_resumes_and_ships_heads(tiny_ckpt, tmp_path):
               "--test-seqs", "3", "--prompt-len", "40", "--new-tokens", "16", "--batch", "2",
               "--rows", "8", "--save-every", "2", "--lr", "0.01"]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ppd, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
         first = ppd.train([*common, "--steps", "2"])
         second = ppd.train([*common, "--steps", "4"])
     assert first["steps"] == 2 and second["steps"] == 4

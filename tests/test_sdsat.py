@@ -118,6 +118,7 @@ def test_a_tree_without_depth_is_refused():
 @pytest.fixture(scope="module")
 def trained_sdsat(tiny_ckpt, tmp_path_factory):
     """Train 4 steps, 'interrupt', resume to 7: (drafter dir, reports, checkpoint)."""
+    import train.features as features
     import train.sdsat as sdsat
     from tests.test_medusa import conversations
 
@@ -128,7 +129,7 @@ def trained_sdsat(tiny_ckpt, tmp_path_factory):
               "--window", "3", "--rank", "2", "--ids", "2", "--save-every", "2",
               "--lr", "0.01", "--cpu-tree", "chain-3"]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sdsat, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
         first = sdsat.train([*common, "--steps", "4"])
         second = sdsat.train([*common, "--steps", "7"])
     return tmp / "out", first, second, tiny_ckpt[0]
@@ -187,6 +188,7 @@ def test_inplace_spans_stay_inside_the_answer_and_count_offsets():
 def test_full_fine_tuning_extends_the_vocabulary_and_decodes_losslessly(tiny_ckpt, tmp_path):
     """Mode (a): the checkpoint gains the adaptive ids (its rows are the drafter's), and
     two-step decoding with the fine-tuned model equals that model's own AR."""
+    import train.features as features
     import train.sdsat as sdsat
     from infer.common import build_generator, load_model
     from tests.test_medusa import conversations
@@ -197,7 +199,7 @@ def test_full_fine_tuning_extends_the_vocabulary_and_decodes_losslessly(tiny_ckp
             "--window", "3", "--ids", "2", "--steps", "3", "--lr", "0.01",
             "--mask-rate", "0.3", "--cpu-tree", "chain-3"]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sdsat, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
         report = sdsat.train(args)
     assert report["steps"] == 3 and report["final_adaptive_loss"] > 0
     base, tuned = load_model(tiny_ckpt[0]), load_model(tmp_path / "full")

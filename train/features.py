@@ -81,11 +81,15 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4) -> dict:
     return data
 
 
+def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
+    """The base model's own greedy answers to n `split` prompts (train/selfdata.py), cached
+    in `root` (the model's training folder, shared by every drafter's trainer)."""
+    name = f"self-{split}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    return generate_answers(model, sharegpt_split(split), n, root / name, prompt_len, new_tokens)
+
+
 def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
-    """Features of the base model's own greedy answers to n `split` prompts, cached in
-    `root` (the model's training folder, shared by every drafter's trainer)."""
-    name = f"{split}-{n}-p{prompt_len}-n{new_tokens}"
-    answers = generate_answers(
-        model, sharegpt_split(split), n, root / f"self-{name}.npz", prompt_len, new_tokens
-    )
-    return extract_sequences(model, answers, root / f"features-self-{name}.npz")
+    """Features of self_answers(...), cached beside them."""
+    answers = self_answers(model, root, split, n, prompt_len, new_tokens)
+    name = f"features-self-{split}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    return extract_sequences(model, answers, root / name)

@@ -25,13 +25,12 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.data.sources import sharegpt_split
 from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.ppd import early_logits, head_name
 from train.checkpoints import command_flags, resume, run_record, save
-from train.selfdata import generate_answers
+from train.features import self_answers
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 KS = (1, 3, 5)
@@ -145,12 +144,10 @@ def train(argv) -> dict:
     out = args.out or REPO_DRAFTERS / cfg.name / "ppd"
     start_time = time.perf_counter()
 
-    def answers(split, n):
-        name = f"self-{split}-{n}-p{args.prompt_len}-n{args.new_tokens}.npz"
-        return generate_answers(model, sharegpt_split(split), n, root / name,
-                                args.prompt_len, args.new_tokens)  # fmt: skip
-
-    train_data, test_data = answers("train", args.train_seqs), answers("test", args.test_seqs)
+    train_data, test_data = (
+        self_answers(model, root, split, n, args.prompt_len, args.new_tokens)
+        for split, n in (("train", args.train_seqs), ("test", args.test_seqs))
+    )
     D = cfg.dim
     heads = {head_name(layer): {"w": jnp.zeros((D, D)), "b": jnp.zeros((D,))} for layer in layers}
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)

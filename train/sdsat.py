@@ -34,14 +34,13 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.data.sources import sharegpt_split
 from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
 from train.checkpoints import command_flags, resume, run_record, save
+from train.features import self_answers
 from train.sdsat_full import train_full
-from train.selfdata import generate_answers
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -203,12 +202,10 @@ def train(argv) -> dict:
     work = args.work_dir or root / f"sdsat-{args.mode}"
     start_time = time.perf_counter()
 
-    def answers(split, n):
-        name = f"self-{split}-{n}-p{args.prompt_len}-n{args.new_tokens}.npz"
-        return generate_answers(model, sharegpt_split(split), n, root / name,
-                                args.prompt_len, args.new_tokens)  # fmt: skip
-
-    train_data, test_data = answers("train", args.train_seqs), answers("test", args.test_seqs)
+    train_data, test_data = (
+        self_answers(model, root, split, n, args.prompt_len, args.new_tokens)
+        for split, n in (("train", args.train_seqs), ("test", args.test_seqs))
+    )
     if args.mode == "full":
         out = args.out or jaxspec_home() / "models" / f"{cfg.name}-sdsat-full"
         report = train_full(args, model, train_data, work, out, lambda drafter, p, dp: evaluate(
