@@ -108,7 +108,12 @@ class PpdStats:
 
 
 class PpdGenerator:
-    """Greedy generation with PPD on devices[0] (main) and devices[1..k] (sub-processes)."""
+    """Greedy generation with PPD on devices[0] (main) and devices[1..k] (sub-processes).
+
+    The round programs are jit-compiled on first use for each cache length, inside that
+    call's timings (its compile_s reads 0): time a second call, as repro/ppd_study does.
+    `seed` is accepted for the generators' common interface; greedy decoding ignores it.
+    """
 
     def __init__(self, cfg, params, k: int = 3, layer: int | None = None, head=None,
                  max_len: int | None = None, devices=None):  # fmt: skip
