@@ -40,6 +40,7 @@ from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
 from train.checkpoints import command_flags, resume, run_record, save
 from train.features import self_answers
+from train.optim import apply_grads, paper_schedule_adamw
 from train.sdsat_full import train_full
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -149,12 +150,7 @@ def train_step(state, params, tokens, lengths, spans, *, drafter, optimizer, L):
         return (ce * weight).sum() / weight.sum(), per_depth
 
     (loss, per_depth), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    new = {
-        "params": optax.apply_updates(state["params"], updates),
-        "opt_state": opt_state,
-        "step": state["step"] + 1,
-    }
+    new = apply_grads(state, grads, optimizer)
     return new, (loss, per_depth)
 
 
@@ -216,10 +212,7 @@ def train(argv) -> dict:
         return report
     out = args.out or REPO_DRAFTERS / cfg.name / "sdsat"
     drafter = SdsatDrafter(cfg, args.rank, args.ids)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, max(args.steps // 5, 1), args.steps, end_value=args.lr / 5
-    )
-    optimizer = optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    optimizer = paper_schedule_adamw(args.lr, args.steps)
     params = drafter.init(model.params, jax.random.key(args.seed))
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
     manager, state, resumed = resume(work, args, state)

@@ -27,6 +27,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import forward
 from train.checkpoints import resume, run_record, save
+from train.optim import apply_grads, paper_schedule_adamw
 
 
 def inplace_spans(starts, lengths, S: int, L: int, rate: float, rng):
@@ -68,12 +69,7 @@ def full_step(state, tokens, answer, masked, offset, *, cfg, optimizer, n_ids, w
         return 0.5 * (standard + w * adapted), (standard, adapted)
 
     (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    new = {
-        "params": optax.apply_updates(state["params"], updates),
-        "opt_state": opt_state,
-        "step": state["step"] + 1,
-    }
+    new = apply_grads(state, grads, optimizer)
     return new, (loss, *parts)
 
 
@@ -82,10 +78,7 @@ def train_full(args, model, train_data, work: Path, out: Path, evaluate) -> dict
     base = SdsatDrafter(model.cfg, 0, args.ids)
     rows = base.init(model.params, jax.random.key(args.seed))["embed"]
     cfg, params = extend_vocabulary(model.cfg, model.params, rows)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, max(args.steps // 5, 1), args.steps, end_value=args.lr / 5
-    )
-    optimizer = optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    optimizer = paper_schedule_adamw(args.lr, args.steps)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
     manager, state, resumed = resume(work, args, state)
     if resumed:
