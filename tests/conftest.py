@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -91,6 +92,16 @@ def one_line_error(main, argv, capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err, err
     return err
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every module's compiled programs when it ends: XLA:CPU maps memory for each
+    executable, and the whole suite's would pass the kernel's per-process map limit
+    (vm.max_map_count, 65530), after which compilation aborts."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
