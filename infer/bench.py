@@ -19,7 +19,14 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from infer.common import METHODS, build_generator, check_method, load_model, provide_devices
+from infer.common import (
+    DTYPES,
+    METHODS,
+    build_generator,
+    check_method,
+    load_model,
+    provide_devices,
+)
 from jaxspec.cli import run_main
 from jaxspec.data.sources import load_questions
 from jaxspec.errors import JaxspecError
@@ -57,6 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ppd-k", type=int, default=3, help="ppd rows: sub-processes")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="compute dtype of every row; a row named METHOD:DTYPE (e.g. ar:float32) uses its own",
+    )
     return p.parse_args(argv)
 
 
@@ -73,8 +86,8 @@ def select(questions, limit, per_category):
 
 
 class Runner:
-    """One method (optionally METHOD@TREE or ppd@LAYER): generate(prompt_ids, n) -> (new ids, steps,
-    seconds excluding compile)."""
+    """One method (optionally METHOD@TREE or ppd@LAYER, then :DTYPE):
+    generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
 
     def __init__(self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=3):
         self.name, self.seed = name, seed
@@ -83,7 +96,7 @@ class Runner:
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
-            method, _, option = name.partition("@")
+            method, _, option = name.partition(":")[0].partition("@")
             if method == "ppd":  # ppd@LAYER picks the early-prediction layer
                 self.generator = build_generator(
                     model, method, sampling=sampling, ppd_k=ppd_k,
@@ -171,18 +184,26 @@ def _main(argv) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in PEERS:
-            check_method(m.partition("@")[0])
+            check_method(m.partition(":")[0].partition("@")[0])
+            dtype = m.partition(":")[2]
+            if dtype and dtype not in DTYPES:
+                raise JaxspecError(f"{m}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
     if any(m.startswith("ppd") for m in methods):
         provide_devices(args.ppd_k + 1)
     questions = select(load_questions(args.questions), args.limit, args.per_category)
     if not questions:
         raise JaxspecError("no questions selected; check --questions / --limit")
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype)
     sampling = Sampling(args.temperature, top_p=args.top_p)
     if not sampling.greedy and "hf" in methods:
         raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
-    runners = {m: Runner(m, model, sampling, args.seed, args.ppd_k) for m in methods}
+
+    def model_for(name: str):  # the hf peer computes in float32
+        dtype = "float32" if name in PEERS else name.partition(":")[2] or args.dtype
+        return model if dtype == args.dtype else load_model(args.model, dtype)
+
+    runners = {m: Runner(m, model_for(m), sampling, args.seed, args.ppd_k) for m in methods}
 
     warm = encode_conversation(
         model.tokenizer, [{"role": "user", "content": questions[0].turns[0]}]
@@ -218,6 +239,7 @@ def _main(argv) -> None:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "dtype": args.dtype,
         "methods": overall,
         "categories": categories,
     }

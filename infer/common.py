@@ -31,11 +31,27 @@ class LoadedModel:
     tokenizer: object
 
 
-def load_model(path: Path | None = None) -> LoadedModel:
-    """A jaxspec checkpoint folder; None means the default model (converted on first use)."""
+DTYPES = ("float32", "bfloat16")
+
+
+def cast_floats(tree, dtype: str | None):
+    """Floating-point leaves of a pytree in `dtype` (None: unchanged); integer leaves stay."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a,
+        tree,
+    )
+
+
+def load_model(path: Path | None = None, dtype: str | None = None) -> LoadedModel:
+    """A jaxspec checkpoint folder; None means the default model (converted on first use).
+    dtype: compute in float32 or bfloat16 (None: as stored)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise JaxspecError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     path = Path(path) if path else ensure_default_model()
     cfg, params = load_checkpoint(path)
-    return LoadedModel(path, cfg, params, load_tokenizer(path))
+    return LoadedModel(path, cfg, cast_floats(params, dtype), load_tokenizer(path))
 
 
 def provide_devices(n: int) -> None:
@@ -109,7 +125,7 @@ def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k
     settings, heads = {}, {}
     if drafter_dir.is_dir():
         settings, params = load_drafter(drafter_dir, "ppd", model.cfg)
-        heads = params["heads"]
+        heads = cast_floats(params["heads"], jax.tree.leaves(model.params)[0].dtype)
     layer = layer or settings.get("default_layer") or (model.cfg.n_layers + 1) // 2
     head = heads.get(head_name(layer))
     return PpdGenerator(model.cfg, model.params, k, layer, head, max_len)
@@ -134,6 +150,7 @@ def build_generator(
 
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
+    drafter_params = cast_floats(drafter_params, jax.tree.leaves(model.params)[0].dtype)
     drafter = make_drafter(method, model.cfg, settings)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
     spec = resolve_tree(tree or default_tree(settings), settings)

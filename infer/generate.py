@@ -8,7 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from infer.common import METHODS, build_generator, check_method, load_model, provide_devices
+from infer.common import (
+    DTYPES,
+    METHODS,
+    build_generator,
+    check_method,
+    load_model,
+    provide_devices,
+)
 from jaxspec.cli import run_main
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
@@ -48,6 +55,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--ppd-k", type=int, default=3, help="ppd: sub-processes (needs k+1 devices)")
     p.add_argument("--ppd-layer", type=int, help="ppd: early-prediction layer (>= half the depth)")
+    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: as stored, float32)")
     p.add_argument("--max-len", type=int, help="cache length limit (default: the model's context)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -65,7 +73,7 @@ def _main(argv) -> None:
         provide_devices(args.ppd_k + 1)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype)
     prompt_ids = [encode_prompt(model.tokenizer, p, chat=not args.no_chat) for p in prompts]
     generator = build_generator(
         model, args.method, args.drafter, args.tree, sampling, args.max_len, args.ppd_k,

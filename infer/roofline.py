@@ -28,7 +28,7 @@ from jaxspec.tree import TreeSpec
 
 def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype) -> dict:
     params = init_params(cfg, jax.random.key(0), dtype)
-    cache = init_cache(cfg, 1, context + steps + 1, dtype)
+    cache = init_cache(cfg, 1, context + steps + 1)  # activations and cache: float32
     cache = cache.replace(lengths=jnp.array([context], jnp.int32))
     token, key = jnp.zeros((1,), jnp.int32), jax.random.key(0)
     no_candidates = jnp.zeros((1, 0), jnp.int32)
@@ -48,7 +48,7 @@ def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype) -> dict:
     run(steps, cache, token)
     seconds = (time.perf_counter() - start) / steps
     itemsize = jnp.dtype(dtype).itemsize
-    kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (context + steps / 2) * itemsize
+    kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (context + steps / 2) * 4
     floor = (cfg.n_params * itemsize + kv_bytes) / (bandwidth_gbs * 1e9)
     return {
         "model": cfg.name,

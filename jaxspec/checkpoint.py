@@ -33,7 +33,8 @@ def default_model_dir() -> Path:
 
 
 def default_dtype():
-    """float32 on CPU (bfloat16 is ~6x slower there under XLA), bfloat16 on accelerators."""
+    """Weights in float32 on CPU (greedy decoding exact to the last bit; see README,
+    Precision), bfloat16 on accelerators."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 

@@ -365,12 +365,12 @@ class SpeculativeGenerator:
         tokens = np.zeros((B, Pb), np.int32)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = p
-        cache = init_cache(self.cfg, B, S, jax.tree.leaves(self.params)[0].dtype)
+        cache = init_cache(self.cfg, B, S)
         key = jax.random.key(seed)
         lengths = jnp.array([len(p) for p in prompts], jnp.int32)
         dp = self.drafter_params
 
-        state = self.drafter.init_state(self.cfg, B, S, jax.tree.leaves(self.params)[0].dtype)
+        state = self.drafter.init_state(self.cfg, B, S, jnp.float32)
         pre_args = (self.params, dp, tokens, lengths, key, state)
         programs, compile_s = self._programs(pre_args, cache)
         run_prefill, run_step, commit_prompt, commit_path, run_redraft = programs

@@ -55,6 +55,27 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
+# XLA:CPU picks its matmul kernel by row count; 16-bit products with >= 3 rows and a
+# float32 result run on one AMX/AVX512-BF16 kernel whose rows do not depend on how many
+# are computed. One or two 16-bit rows fall to other kernels (one row: a loop ~10x slower).
+MIN_16BIT_ROWS = 3
+
+
+def dense(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """x [...,in] times w [in,out] (w [out,in] when transposed) -> [...,out] float32,
+    accumulated in float32. 16-bit inputs are padded to MIN_16BIT_ROWS rows, so a row's
+    result is the same bits whether it is computed alone (AR) or among a tree's (verify)."""
+    rows = x.reshape(-1, x.shape[-1])  # [R,in]
+    n = rows.shape[0]
+    if jnp.dtype(w.dtype).itemsize == 2:
+        rows = rows.astype(w.dtype)
+        if n < MIN_16BIT_ROWS:
+            rows = jnp.concatenate([rows, jnp.zeros((MIN_16BIT_ROWS - n, rows.shape[1]), w.dtype)])
+    spec = "ri,oi->ro" if transposed else "ri,io->ro"
+    y = jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32)[:n]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def swiglu_mlp(x: jax.Array, linear) -> jax.Array:
     """x [B,T,D] -> [B,T,D]: down(silu(gate(x)) * up(x)); linear(x, name) applies a weight."""
     return linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
@@ -83,6 +104,8 @@ def attention(q, k_cache, v_cache, k_new, v_new, mask):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_new.dtype).reshape(B, K, G * T, -1)
     out, start = 0.0, 0
     for _, v in blocks:
-        out = out + jnp.einsum("bkqs,bksh->bkqh", probs[..., start : start + v.shape[2]], v)
+        part = probs[..., start : start + v.shape[2]]
+        out = out + jnp.einsum("bkqs,bksh->bkqh", part, v, preferred_element_type=jnp.float32)
         start += v.shape[2]
+    out = out.astype(v_new.dtype)
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)

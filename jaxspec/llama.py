@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig
 from jaxspec.kv_cache import KVBlock, KVCache, attention_mask
-from jaxspec.layers import apply_rope, attention, rms_norm, rope_tables, swiglu_mlp
+from jaxspec.layers import apply_rope, attention, dense, rms_norm, rope_tables, swiglu_mlp
 
 Params = dict
 # (x [...,in], weight name) -> x @ weight [...,out]: a block's linear maps. The plain one
@@ -29,12 +29,13 @@ Linear = Callable[[jax.Array, str], jax.Array]
 
 
 def plain_linear(p: dict) -> Linear:
-    return lambda x, name: x @ p[name]
+    return lambda x, name: dense(x, p[name]).astype(x.dtype)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    """tokens [B,T] -> hidden [B,T,D]."""
-    return jnp.take(params["embed_tokens"], tokens, axis=0)
+    """tokens [B,T] -> hidden [B,T,D] float32 (activations stay float32 whatever the
+    weights' dtype: see layers.dense)."""
+    return jnp.take(params["embed_tokens"], tokens, axis=0).astype(jnp.float32)
 
 
 def layer_kv(cfg, p, x, cos, sin, linear: Linear | None = None):
@@ -113,10 +114,8 @@ def final_norm(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
 def vocab_projection(params: Params, cfg: LlamaConfig, x: jax.Array) -> jax.Array:
     """The output projection (lm_head, or the tied embeddings): x [...,D] -> [...,V] float32."""
     if cfg.tie_embeddings:
-        logits = jnp.einsum("...d,vd->...v", x, params["embed_tokens"])
-    else:
-        logits = x @ params["lm_head"]
-    return logits.astype(jnp.float32)
+        return dense(x, params["embed_tokens"], transposed=True)
+    return dense(x, params["lm_head"])
 
 
 def lm_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:

@@ -31,6 +31,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVBlock, causal_mask, commit, init_cache
+from jaxspec.layers import dense
 from jaxspec.llama import embed, lm_logits, run_layers
 
 
@@ -38,7 +39,7 @@ def early_logits(params, cfg: LlamaConfig, head, h: jax.Array) -> jax.Array:
     """h [...,D] state after d̄ layers -> early next-token logits [...,V]; head None (the
     untrained early exit) or {"w" [D,D], "b" [D]}: h + SiLU(h w + b) first."""
     if head is not None:
-        h = h + jax.nn.silu(h @ head["w"].astype(h.dtype) + head["b"].astype(h.dtype))
+        h = h + jax.nn.silu(dense(h, head["w"]) + head["b"]).astype(h.dtype)
     return lm_logits(params, cfg, h)
 
 
@@ -141,13 +142,12 @@ class PpdGenerator:
         eos = set(cfg.eos_token_ids)
 
         start_time = time.perf_counter()
-        dtype = jax.tree.leaves(self.params)[0].dtype
-        cache = jax.device_put(init_cache(cfg, 1, S, dtype), self.main)
+        cache = jax.device_put(init_cache(cfg, 1, S), self.main)
         token, block = _prefill(self.params, jax.device_put(tokens, self.main), length, cfg=cfg)
         cache = commit(cache, block, length)
         lower_cfg = dataclasses.replace(cfg, n_layers=m)
         sub_caches = [
-            commit(jax.device_put(init_cache(lower_cfg, 1, S, dtype), d),
+            commit(jax.device_put(init_cache(lower_cfg, 1, S), d),
                    jax.device_put(_lower(block, m), d), jax.device_put(length, d))
             for d in self.subs
         ]  # fmt: skip

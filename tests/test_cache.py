@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxspec.config import preset
 from jaxspec.kv_cache import KVBlock, attention_mask, causal_mask, commit, init_cache, write_rows
+from jaxspec.layers import dense
 from jaxspec.llama import forward as eager_forward
 from jaxspec.llama import init_params
 
@@ -86,3 +88,22 @@ def test_padding_after_the_prompt_is_invisible():
         return forward(params, cfg, toks, pos, init_cache(cfg, 1, 16), causal_mask(1, T))[0]
 
     np.testing.assert_allclose(run(padded)[:, :7], run(tokens), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_dense_rows_are_independent_of_how_many_are_computed(dtype, transposed):
+    """Greedy losslessness rests on this: a row's product is the same bits whether it is
+    computed alone (AR) or among a tree's rows (verify). bfloat16: any row count; float32:
+    from 2 rows (XLA:CPU computes a single float32 row with another kernel, see DESIGN.md)."""
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (16, 96)).astype(dtype)
+    w = jax.random.normal(kw, (200, 96) if transposed else (96, 200)).astype(dtype)
+    together = jax.jit(dense, static_argnums=2)(x, w, transposed)
+    assert together.dtype == jnp.float32 and together.shape == (16, 200)
+    for rows in (1, 2, 5) if dtype == jnp.bfloat16 else (2, 5):
+        alone = jax.jit(dense, static_argnums=2)(x[:rows], w, transposed)
+        np.testing.assert_array_equal(np.asarray(alone), np.asarray(together[:rows]))
+    w64 = np.asarray(w, np.float64)
+    exact = np.asarray(x, np.float64) @ (w64.T if transposed else w64)
+    np.testing.assert_allclose(np.asarray(together), exact, rtol=1e-4, atol=1e-3)

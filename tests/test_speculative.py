@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from infer.common import cast_floats
 from jaxspec.config import LlamaConfig, preset
 from jaxspec.decode import SpeculativeGenerator, prefill_and_draft, redraft, speculative_step
 from jaxspec.errors import JaxspecError
@@ -86,6 +87,22 @@ def test_greedy_is_lossless_with_random_and_oracle_drafters(name, tree_name):
     assert result.token_ids == ar
     # Right guesses are accepted: nearly max_depth + 1 tokens per step.
     assert result.mean_accepted > tree.max_depth * 0.8
+
+
+@pytest.mark.parametrize("tree_name", ["chain-4", "cpu-16"])
+def test_bfloat16_weights_decode_like_ar_on_a_tiny_model(tree_name):
+    """bfloat16 weights (float32 activations) run through the whole loop; on a tiny model
+    no near-tie flips, so output equals AR's (on real models see README, Precision)."""
+    cfg, params = tiny("tiny-mqa")
+    params = cast_floats(params, "bfloat16")
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
+    tree = tree_preset(tree_name)
+    random = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
+    assert random.generate(prompt, 40).token_ids == ar
+    reference = jnp.asarray(prompt + ar + [0] * 16, jnp.int32)
+    oracle = SpeculativeGenerator(cfg, params, OracleDrafter(cfg.vocab_size), reference, tree)
+    assert oracle.generate(prompt, 40).token_ids == ar
 
 
 @pytest.mark.parametrize("tree_name", [None, "cpu-8"])

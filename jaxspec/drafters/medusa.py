@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
+from jaxspec.layers import dense
 from jaxspec.llama import final_norm, vocab_projection
 from jaxspec.tree import TreeSpec
 
@@ -47,7 +48,10 @@ class MedusaDrafter(Drafter):
         outputs [...,K,D] (default all heads)."""
         heads = params["heads"][: n_heads or self.n_heads]
         x = final_norm(base_params, self.cfg, h)
-        return jnp.stack([x + jax.nn.silu(x @ head["w"] + head["b"]) for head in heads], -2)
+        return jnp.stack(
+            [x + jax.nn.silu(dense(x, head["w"]) + head["b"]).astype(x.dtype) for head in heads],
+            -2,
+        )
 
     def head_logits(self, base_params, params, h: jax.Array, n_heads: int | None = None):
         """h [...,D] pre-norm last-layer states -> logits [...,K,V] float32."""
@@ -55,7 +59,7 @@ class MedusaDrafter(Drafter):
         if self.own_lm_head:
             heads = params["heads"][: ys.shape[-2]]
             return jnp.stack(
-                [(ys[..., k, :] @ hd["lm_head"]).astype(jnp.float32) for k, hd in enumerate(heads)],
+                [dense(ys[..., k, :], hd["lm_head"]) for k, hd in enumerate(heads)],
                 -2,
             )
         # One projection for all heads: the [V,D] matrix is read once, not once per head.

@@ -30,6 +30,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache, causal_mask
+from jaxspec.layers import dense
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.tree import TreeSpec
 
@@ -72,9 +73,9 @@ class SdsatDrafter(Drafter):
             lora = dparams["lora"][i]
 
             def linear(x, name):
-                y = x @ p[name]
-                a, b = (lora[name][w].astype(x.dtype) for w in ("a", "b"))
-                return jnp.where(where, y + (x @ a) @ b, y)
+                y = dense(x, p[name])
+                low = dense(dense(x, lora[name]["a"]), lora[name]["b"])
+                return jnp.where(where, y + low, y).astype(x.dtype)
 
             return linear
 

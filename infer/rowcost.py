@@ -1,0 +1,58 @@
+"""Forward time of a model against its cache vs the number of new rows T (1 = an AR step,
+T = a verify step over a T-node tree), per weight dtype: what a tree may cost here.
+
+    python -m infer.rowcost --dtype float32 bfloat16 --rows 1 2 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infer.common import DTYPES, cast_floats, load_model
+from jaxspec.kv_cache import causal_mask, init_cache
+from jaxspec.llama import forward
+
+
+def forward_ms(cfg, params, rows: int, context: int, repeats: int) -> float:
+    """Median ms of one forward of `rows` new tokens after `context` committed ones."""
+    cache = init_cache(cfg, 1, context + rows).replace(lengths=jnp.array([context], jnp.int32))
+    tokens = jnp.ones((1, rows), jnp.int32)
+    positions = context + jnp.arange(rows)[None]
+    run = jax.jit(lambda p, t, c: forward(p, cfg, t, positions, c, causal_mask(1, rows))[0])
+    run = run.lower(params, tokens, cache).compile()
+    for _ in range(3):
+        run(params, tokens, cache).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(params, tokens, cache).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m infer.rowcost", description=__doc__)
+    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=["float32"])
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    model = load_model()
+    result = {"model": model.cfg.name, "device": jax.devices()[0].device_kind, "ms": {}}
+    for dtype in args.dtype:
+        params = cast_floats(model.params, dtype)
+        result["ms"][dtype] = {
+            rows: round(forward_ms(model.cfg, params, rows, args.context, args.repeats), 1)
+            for rows in args.rows
+        }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
