@@ -8,6 +8,7 @@ Writes FILE.json, FILE.md (table) and FILE.png (plot).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -23,6 +24,7 @@ from infer.common import (
     DTYPES,
     METHODS,
     build_generator,
+    cast_floats,
     check_method,
     load_model,
     provide_devices,
@@ -194,14 +196,19 @@ def _main(argv) -> None:
     questions = select(load_questions(args.questions), args.limit, args.per_category)
     if not questions:
         raise JaxspecError("no questions selected; check --questions / --limit")
-    model = load_model(args.model, args.dtype)
-    sampling = Sampling(args.temperature, top_p=args.top_p)
-    if not sampling.greedy and "hf" in methods:
-        raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
+    stored = load_model(args.model)
+    models = {}  # dtype -> the model with its weights cast from the stored ones
 
     def model_for(name: str):  # the hf peer computes in float32
         dtype = "float32" if name in PEERS else name.partition(":")[2] or args.dtype
-        return model if dtype == args.dtype else load_model(args.model, dtype)
+        if dtype not in models:
+            models[dtype] = dataclasses.replace(stored, params=cast_floats(stored.params, dtype))
+        return models[dtype]
+
+    model = model_for("ar")
+    sampling = Sampling(args.temperature, top_p=args.top_p)
+    if not sampling.greedy and "hf" in methods:
+        raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
 
     runners = {m: Runner(m, model_for(m), sampling, args.seed, args.ppd_k) for m in methods}
 

@@ -96,10 +96,13 @@ def test_bench_ar_and_hf_agree(tiny_ckpt, tmp_path, capsys):
     ]
     questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "r.json"
-    argv = ["--methods", "ar,hf", "--questions", str(questions), "--max-new-tokens", "8"]
+    argv = ["--methods", "ar,hf,ar:bfloat16", "--questions", str(questions),
+            "--max-new-tokens", "8"]  # fmt: skip
     run_ok(bench_main, [*argv, "--model", str(tiny_ckpt[0]), "--out", str(out)], capsys)
     result = json.loads(out.read_text())
-    assert set(result["methods"]) == {"ar", "hf"} and set(result["categories"]) == {"a", "b"}
+    assert set(result["methods"]) == {"ar", "hf", "ar:bfloat16"}
+    assert set(result["categories"]) == {"a", "b"} and result["dtype"] == "float32"
+    assert result["methods"]["ar:bfloat16"]["new_tokens"] == result["methods"]["ar"]["new_tokens"]
     assert result["n_generations"] == 3
     assert result["methods"]["hf"]["match_ar"] == 1.0  # same tokens from torch and JAX
     assert result["methods"]["ar"]["speedup"] == 1.0
@@ -113,6 +116,8 @@ def test_bench_bad_questions(tmp_path, capsys):
     assert "is not a Spec-Bench question" in err
     err = one_line_error(bench_main, ["--questions", str(tmp_path / "missing.jsonl")], capsys)
     assert "no question file" in err
+    argv = ["--methods", "ar,ar:float16", "--questions", str(tmp_path / "q.jsonl")]
+    assert "ar:float16: unknown dtype 'float16'" in one_line_error(bench_main, argv, capsys)
 
 
 def test_train_names_what_exists(capsys):
