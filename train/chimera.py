@@ -16,7 +16,6 @@ heads on a frozen base model (paper §3.3).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from functools import partial
@@ -34,6 +33,7 @@ from jaxspec.drafters.chimera import ChimeraDrafter, encoder_outputs, training_l
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
+from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, run_record, save
 from train.features import answer_features
 
@@ -41,12 +41,7 @@ REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="jaxspec-train chimera", description=__doc__)
-    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
-    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/chimera)")
-    p.add_argument(
-        "--work-dir", type=Path, help="features and checkpoints (default: in $JAXSPEC_HOME)"
-    )
+    p = trainer_parser("chimera", __doc__)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ngram", type=int, default=3, help="tokens per n-gram (paper: 3)")
     p.add_argument(
@@ -55,14 +50,7 @@ def parse_args(argv):
     p.add_argument(
         "--full-heads", action="store_true", help="each head a full Linear(2D->V) (large)"
     )
-    p.add_argument("--train-seqs", type=int, default=400)
-    p.add_argument("--test-seqs", type=int, default=40)
-    p.add_argument("--prompt-len", type=int, default=128, help="longest prompt")
-    p.add_argument("--new-tokens", type=int, default=192, help="answer length")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--rows", type=int, default=32, help="answer positions per sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of head d is decay**d")
     p.add_argument("--targets", choices=("kl", "self", "data"), default="kl")
     p.add_argument("--distill", type=float, default=0.0, help="weight of the MSE term")
@@ -72,8 +60,6 @@ def parse_args(argv):
         default=8192,
         help="the heads draft among this many most frequent answer tokens (0: all)",
     )
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 

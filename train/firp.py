@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from functools import partial
@@ -35,6 +34,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
+from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, save
 from train.selfdata import generate_answers
 
@@ -47,38 +47,22 @@ def default_layers(n_layers: int) -> tuple[int, ...]:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="jaxspec-train firp", description=__doc__)
-    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
-    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/firp)")
-    p.add_argument(
-        "--work-dir", type=Path, help="data, cached passes, checkpoints (default: $JAXSPEC_HOME)"
-    )
+    p = trainer_parser(
+        "firp", __doc__, steps=300, save_every=25,
+        steps_help="updates per FIRP step (a rerun with more continues the current FIRP step)",
+    )  # fmt: skip
     p.add_argument("--layers", help="comma-separated t_1<...<t_K (default: about L/2, 2L/3, 5L/6)")
     p.add_argument(
         "--pass-layers",
         help="cache the real pass for these layers (a superset of --layers: ablations share it)",
     )
-    p.add_argument("--train-seqs", type=int, default=400)
-    p.add_argument("--test-seqs", type=int, default=40)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=192)
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=300,
-        help="updates per FIRP step (a rerun with more continues the current FIRP step)",
-    )
-    p.add_argument("--batch", type=int, default=4, help="sequences per training step")
     p.add_argument("--anchors", type=int, default=64, help="anchors sampled per sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--variant",
         choices=("firp", "unchained", "early-exit"),
         default="firp",
         help="ablations for the reproduction study write only their report.json",
     )
-    p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from functools import partial
@@ -35,6 +34,7 @@ from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
+from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, save
 from train.features import answer_features, extract
 
@@ -42,26 +42,12 @@ REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="jaxspec-train medusa", description=__doc__)
-    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
-    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/medusa)")
-    p.add_argument(
-        "--work-dir", type=Path, help="features and checkpoints (default: in $JAXSPEC_HOME)"
-    )
+    p = trainer_parser("medusa", __doc__, batch=256, batch_help="positions per step")
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--train-seqs", type=int, default=400)
-    p.add_argument("--test-seqs", type=int, default=40)
     p.add_argument("--data", choices=("self", "sharegpt"), default="self")
     p.add_argument("--seq-len", type=int, default=256, help="sharegpt data: tokens per sequence")
-    p.add_argument("--prompt-len", type=int, default=128, help="self data: longest prompt")
-    p.add_argument("--new-tokens", type=int, default=192, help="self data: answer length")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch", type=int, default=256, help="positions per step")
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay**k")
     p.add_argument("--targets", choices=("self", "data", "kl"), default="self")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 

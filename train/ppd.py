@@ -11,7 +11,6 @@ maximises the expected saving (d - d̄) p_correct(k=3) per token (Theorem 4.1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from functools import partial
@@ -29,6 +28,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.ppd import early_logits, head_name
+from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, run_record, save
 from train.features import self_answers
 
@@ -37,21 +37,9 @@ KS = (1, 3, 5)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="jaxspec-train ppd", description=__doc__)
-    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
-    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/ppd)")
-    p.add_argument("--work-dir", type=Path, help="answers and checkpoints")
+    p = trainer_parser("ppd", __doc__, train_seqs=800, steps=150, save_every=25)
     p.add_argument("--layers", default="10,15,20,25,28", help="layers with a head")
-    p.add_argument("--train-seqs", type=int, default=800)
-    p.add_argument("--test-seqs", type=int, default=40)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=192)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--rows", type=int, default=64, help="answer positions per sequence")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-every", type=int, default=25)
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 

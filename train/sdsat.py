@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from functools import partial
@@ -38,6 +37,7 @@ from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
+from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, run_record, save
 from train.features import self_answers
 from train.optim import apply_grads, paper_schedule_adamw
@@ -47,12 +47,7 @@ REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="jaxspec-train sdsat", description=__doc__)
-    p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
-    p.add_argument("--out", type=Path, help="drafter folder (default: drafters/<model>/sdsat)")
-    p.add_argument(
-        "--work-dir", type=Path, help="answers and checkpoints (default: in $JAXSPEC_HOME)"
-    )
+    p = trainer_parser("sdsat", __doc__, train_seqs=800, steps=300, save_every=25)
     p.add_argument(
         "--mode",
         choices=("adapter", "full"),
@@ -65,16 +60,7 @@ def parse_args(argv):
     p.add_argument("--ids", type=int, default=1, help="distinct adaptive token ids")
     p.add_argument("--window", type=int, default=8, help="max mask window L")
     p.add_argument("--spans", type=int, default=24, help="spans per sequence")
-    p.add_argument("--train-seqs", type=int, default=800)
-    p.add_argument("--test-seqs", type=int, default=40)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=192)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=4, help="sequences per step")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-every", type=int, default=25)
     p.add_argument("--cpu-tree", default="chain-2", help="the tree generation uses on CPU")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
