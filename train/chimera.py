@@ -36,6 +36,7 @@ from jaxspec.tree import searched_trees
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, run_record, save
 from train.features import answer_features
+from train.optim import apply_grads
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -124,9 +125,7 @@ def train_step(state, base, tokens, hidden, rows, labels, weights, *, drafter, o
         return (losses * weights).sum() + distill * mse, (losses, mse)
 
     (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, aux
+    return apply_grads(state, grads, optimizer), aux
 
 
 @partial(jax.jit, static_argnames=("drafter",))

@@ -37,6 +37,7 @@ from jaxspec.tree import searched_trees
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, save
 from train.features import answer_features, extract
+from train.optim import apply_grads
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -94,9 +95,7 @@ def train_step(state, base, h, labels, h_future, weights, *, drafter, optimizer)
         return (losses * weights).sum(), losses
 
     (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, losses
+    return apply_grads(state, grads, optimizer), losses
 
 
 @partial(jax.jit, static_argnames=("drafter",))

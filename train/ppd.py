@@ -31,6 +31,7 @@ from jaxspec.ppd import early_logits, head_name
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, run_record, save
 from train.features import self_answers
+from train.optim import apply_grads
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 KS = (1, 3, 5)
@@ -67,10 +68,7 @@ def train_step(state, params, states, final_logits, valid, *, cfg, optimizer):
         return sum(losses.values()), losses
 
     (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-           "step": state["step"] + 1}  # fmt: skip
-    return new, losses
+    return apply_grads(state, grads, optimizer), losses
 
 
 @partial(jax.jit, static_argnames=("cfg",))
