@@ -94,6 +94,15 @@ def one_line_error(main, argv, capsys) -> str:
     return err
 
 
+def tiny_training_args(ckpt: Path, tmp: Path, **overrides) -> list[str]:
+    """The trainers' shared options (train/args.py) for a seconds-long run on a tiny
+    checkpoint; overrides: option name with underscores -> value."""
+    options = {"model": ckpt, "work_dir": tmp / "work", "out": tmp / "out", "train_seqs": 8,
+               "test_seqs": 4, "prompt_len": 40, "new_tokens": 24, "batch": 2, "save_every": 2,
+               "lr": 0.01, **overrides}  # fmt: skip
+    return [arg for k, v in options.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop every module's compiled programs when it ends: XLA:CPU maps memory for each

@@ -19,6 +19,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, run_layers
 from jaxspec.tree import TreeSpec, tree_preset
+from tests.conftest import tiny_training_args
 from tests.test_speculative import tiny
 
 
@@ -160,10 +161,8 @@ def trained_chimera(tiny_ckpt, tmp_path_factory):
     from tests.test_medusa import conversations
 
     tmp = tmp_path_factory.mktemp("chimera")
-    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
-              "--out", str(tmp / "out"), "--train-seqs", "8", "--test-seqs", "4",
-              "--prompt-len", "40", "--new-tokens", "24", "--batch", "2", "--rows", "8",
-              "--heads", "3", "--save-every", "3", "--lr", "0.01", "--distill", "0.1"]  # fmt: skip
+    common = [*tiny_training_args(tiny_ckpt[0], tmp, save_every=3),
+              "--rows", "8", "--heads", "3", "--distill", "0.1"]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
         first = chimera.train([*common, "--steps", "6"])

@@ -22,6 +22,7 @@ from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, init_params, run_layers
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
+from tests.conftest import tiny_training_args
 from tests.test_speculative import tiny
 
 
@@ -140,10 +141,7 @@ def trained_firp(tiny_ckpt, tmp_path_factory):
     from tests.test_medusa import conversations
 
     tmp = tmp_path_factory.mktemp("firp")
-    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
-              "--out", str(tmp / "out"), "--train-seqs", "8", "--test-seqs", "4",
-              "--prompt-len", "40", "--new-tokens", "24", "--batch", "2", "--anchors", "8",
-              "--layers", "1,2", "--save-every", "2", "--lr", "0.01"]  # fmt: skip
+    common = [*tiny_training_args(tiny_ckpt[0], tmp), "--anchors", "8", "--layers", "1,2"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(firp, "sharegpt_split", lambda split: conversations(seed=len(split)))
         first = firp.train([*common, "--steps", "4"])  # 2 x 4 updates, finished

@@ -16,7 +16,7 @@ from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import load_drafter, save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.tree import tree_preset
-from tests.conftest import one_line_error
+from tests.conftest import one_line_error, tiny_training_args
 
 
 def conversations(n=12, seed=0):
@@ -44,10 +44,8 @@ def trained(tiny_ckpt, tmp_path_factory, monkeypatch_module):
             module, "sharegpt_split", lambda split: conversations(seed=len(split))
         )
     tmp = tmp_path_factory.mktemp("medusa")
-    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
-              "--out", str(tmp / "out"), "--train-seqs", "10", "--test-seqs", "4",
-              "--seq-len", "64", "--batch", "32", "--save-every", "4", "--lr", "0.01",
-              "--heads", "3", "--prompt-len", "40", "--new-tokens", "24"]  # fmt: skip
+    common = [*tiny_training_args(tiny_ckpt[0], tmp, train_seqs=10, batch=32, save_every=4),
+              "--seq-len", "64", "--heads", "3"]  # fmt: skip
     first = medusa.train([*common, "--steps", "12"])
     second = medusa.train([*common, "--steps", "20"])
     return tmp / "out", first, second, tiny_ckpt[0]

@@ -13,6 +13,7 @@ from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import init_params
 from jaxspec.ppd import PpdGenerator, check_settings
+from tests.conftest import tiny_training_args
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (virtual) devices")
 
@@ -65,10 +66,8 @@ def test_ppd_training_resumes_and_ships_heads(tiny_ckpt, tmp_path):
     from infer.common import build_generator, load_model
     from tests.test_medusa import conversations
 
-    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp_path / "work"),
-              "--out", str(tmp_path / "out"), "--layers", "1,2", "--train-seqs", "6",
-              "--test-seqs", "3", "--prompt-len", "40", "--new-tokens", "16", "--batch", "2",
-              "--rows", "8", "--save-every", "2", "--lr", "0.01"]  # fmt: skip
+    common = [*tiny_training_args(tiny_ckpt[0], tmp_path, train_seqs=6, test_seqs=3,
+                                  new_tokens=16), "--layers", "1,2", "--rows", "8"]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
         first = ppd.train([*common, "--steps", "2"])

@@ -14,6 +14,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import embed, forward, run_layers
 from jaxspec.tree import TreeSpec, tree_preset
+from tests.conftest import tiny_training_args
 from tests.test_speculative import tiny
 from train.sdsat import span_layout, span_logits
 
@@ -123,11 +124,8 @@ def trained_sdsat(tiny_ckpt, tmp_path_factory):
     from tests.test_medusa import conversations
 
     tmp = tmp_path_factory.mktemp("sdsat")
-    common = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp / "work"),
-              "--out", str(tmp / "out"), "--train-seqs", "8", "--test-seqs", "4",
-              "--prompt-len", "40", "--new-tokens", "24", "--batch", "2", "--spans", "4",
-              "--window", "3", "--rank", "2", "--ids", "2", "--save-every", "2",
-              "--lr", "0.01", "--cpu-tree", "chain-3"]  # fmt: skip
+    common = [*tiny_training_args(tiny_ckpt[0], tmp), "--spans", "4", "--window", "3",
+              "--rank", "2", "--ids", "2", "--cpu-tree", "chain-3"]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
         first = sdsat.train([*common, "--steps", "4"])
