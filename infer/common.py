@@ -30,6 +30,11 @@ class LoadedModel:
     params: dict
     tokenizer: object
 
+    @property
+    def weight_dtype(self):
+        """What drafter weights are cast to, so that they multiply like the model's."""
+        return jax.tree.leaves(self.params)[0].dtype
+
 
 DTYPES = ("float32", "bfloat16")
 
@@ -125,7 +130,7 @@ def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k
     settings, heads = {}, {}
     if drafter_dir.is_dir():
         settings, params = load_drafter(drafter_dir, "ppd", model.cfg)
-        heads = cast_floats(params["heads"], jax.tree.leaves(model.params)[0].dtype)
+        heads = cast_floats(params["heads"], model.weight_dtype)
     layer = layer or settings.get("default_layer") or (model.cfg.n_layers + 1) // 2
     head = heads.get(head_name(layer))
     return PpdGenerator(model.cfg, model.params, k, layer, head, max_len)
@@ -150,7 +155,7 @@ def build_generator(
 
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
-    drafter_params = cast_floats(drafter_params, jax.tree.leaves(model.params)[0].dtype)
+    drafter_params = cast_floats(drafter_params, model.weight_dtype)
     drafter = make_drafter(method, model.cfg, settings)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
     spec = resolve_tree(tree or default_tree(settings), settings)

@@ -63,8 +63,9 @@ MIN_16BIT_ROWS = 3
 
 def dense(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     """x [...,in] times w [in,out] (w [out,in] when transposed) -> [...,out] float32,
-    accumulated in float32. 16-bit inputs are padded to MIN_16BIT_ROWS rows, so a row's
-    result is the same bits whether it is computed alone (AR) or among a tree's (verify)."""
+    accumulated in float32. With 16-bit weights, x is cast to their dtype and padded to
+    MIN_16BIT_ROWS rows, so a row's result is the same bits whether it is computed alone
+    (AR) or among a tree's (verify)."""
     rows = x.reshape(-1, x.shape[-1])  # [R,in]
     n = rows.shape[0]
     if jnp.dtype(w.dtype).itemsize == 2:

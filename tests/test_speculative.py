@@ -72,21 +72,26 @@ def tiny(name="tiny-gqa", vocab=None) -> tuple[LlamaConfig, dict]:
     return cfg, init_params(cfg, jax.random.key(0), scale=0.3)
 
 
+def random_and_oracle_vs_ar(cfg, params, tree):
+    """-> (AR's tokens, a random drafter's, the oracle drafter's generation result)."""
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
+    random = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
+    reference = jnp.asarray(prompt + ar + [0] * 16, jnp.int32)
+    oracle = SpeculativeGenerator(cfg, params, OracleDrafter(cfg.vocab_size), reference, tree)
+    return ar, random.generate(prompt, 40).token_ids, oracle.generate(prompt, 40)
+
+
 @pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
 @pytest.mark.parametrize("tree_name", TREES)
 def test_greedy_is_lossless_with_random_and_oracle_drafters(name, tree_name):
     cfg, params = tiny(name)
-    prompt = [5, 6, 7, 8, 9]
-    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
     tree = tree_preset(tree_name)
-    random = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
-    assert random.generate(prompt, 40).token_ids == ar
-    reference = jnp.asarray(prompt + ar + [0] * 16, jnp.int32)
-    oracle = SpeculativeGenerator(cfg, params, OracleDrafter(cfg.vocab_size), reference, tree)
-    result = oracle.generate(prompt, 40)
-    assert result.token_ids == ar
+    ar, random, oracle = random_and_oracle_vs_ar(cfg, params, tree)
+    assert random == ar
+    assert oracle.token_ids == ar
     # Right guesses are accepted: nearly max_depth + 1 tokens per step.
-    assert result.mean_accepted > tree.max_depth * 0.8
+    assert oracle.mean_accepted > tree.max_depth * 0.8
 
 
 @pytest.mark.parametrize("tree_name", ["chain-4", "cpu-16"])
@@ -94,15 +99,11 @@ def test_bfloat16_weights_decode_like_ar_on_a_tiny_model(tree_name):
     """bfloat16 weights (float32 activations) run through the whole loop; on a tiny model
     no near-tie flips, so output equals AR's (on real models see README, Precision)."""
     cfg, params = tiny("tiny-mqa")
-    params = cast_floats(params, "bfloat16")
-    prompt = [5, 6, 7, 8, 9]
-    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
-    tree = tree_preset(tree_name)
-    random = SpeculativeGenerator(cfg, params, RandomDrafter(cfg.vocab_size), None, tree)
-    assert random.generate(prompt, 40).token_ids == ar
-    reference = jnp.asarray(prompt + ar + [0] * 16, jnp.int32)
-    oracle = SpeculativeGenerator(cfg, params, OracleDrafter(cfg.vocab_size), reference, tree)
-    assert oracle.generate(prompt, 40).token_ids == ar
+    ar, random, oracle = random_and_oracle_vs_ar(
+        cfg, cast_floats(params, "bfloat16"), tree_preset(tree_name)
+    )
+    assert random == ar
+    assert oracle.token_ids == ar
 
 
 @pytest.mark.parametrize("tree_name", [None, "cpu-8"])
