@@ -55,25 +55,36 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return rotated.astype(x.dtype)
 
 
-# XLA:CPU picks its matmul kernel by row count; 16-bit products with >= 3 rows and a
-# float32 result run on one AMX/AVX512-BF16 kernel whose rows do not depend on how many
-# are computed. One or two 16-bit rows fall to other kernels (one row: a loop ~10x slower).
-MIN_16BIT_ROWS = 3
+def split_bfloat16(x: jax.Array) -> jax.Array:
+    """x [R,in] float32 -> [3R,in] bfloat16 whose three row blocks sum exactly to x: each
+    block holds the next 8 mantissa bits of what the earlier ones left (3 x 8 = float32's 24)."""
+    parts = []
+    rest = x.astype(jnp.float32)
+    for _ in range(3):
+        part = rest.astype(jnp.bfloat16)
+        rest = rest - part.astype(jnp.float32)  # exact: the leading bits cancel
+        parts.append(part)
+    return jnp.concatenate(parts)
 
 
 def dense(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """x [...,in] times w [in,out] (w [out,in] when transposed) -> [...,out] float32,
-    accumulated in float32. With 16-bit weights, x is cast to their dtype and padded to
-    MIN_16BIT_ROWS rows, so a row's result is the same bits whether it is computed alone
-    (AR) or among a tree's (verify)."""
+    """x [...,in] times w [in,out] (w [out,in] when transposed) -> [...,out] float32.
+
+    float32 w: a float32 product. bfloat16 w: x is split exactly into three bfloat16 row
+    blocks (`split_bfloat16`), each element product is exact in float32, products are
+    accumulated in float32 and the blocks summed: float32 accuracy for bfloat16 weights, at
+    the cost of 3R rows on XLA:CPU's AMX/AVX512-BF16 kernel, whose cost barely grows with
+    rows. That kernel serves >= 3 rows (one or two fall to slower kernels with other bits),
+    which the split always gives, and a row's result does not depend on how many rows are
+    computed: the same bits alone (AR) as among a tree's (verify)."""
     rows = x.reshape(-1, x.shape[-1])  # [R,in]
     n = rows.shape[0]
-    if jnp.dtype(w.dtype).itemsize == 2:
-        rows = rows.astype(w.dtype)
-        if n < MIN_16BIT_ROWS:
-            rows = jnp.concatenate([rows, jnp.zeros((MIN_16BIT_ROWS - n, rows.shape[1]), w.dtype)])
     spec = "ri,oi->ro" if transposed else "ri,io->ro"
-    y = jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32)[:n]
+    if w.dtype == jnp.bfloat16:
+        y = jnp.einsum(spec, split_bfloat16(rows), w, preferred_element_type=jnp.float32)
+        y = y[:n] + y[n : 2 * n] + y[2 * n :]  # [R,out]
+    else:
+        y = jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxspec.config import preset
 from jaxspec.kv_cache import KVBlock, attention_mask, causal_mask, commit, init_cache, write_rows
-from jaxspec.layers import dense
+from jaxspec.layers import dense, split_bfloat16
 from jaxspec.llama import forward as eager_forward
 from jaxspec.llama import init_params
 
@@ -94,16 +94,25 @@ def test_padding_after_the_prompt_is_invisible():
 @pytest.mark.parametrize("transposed", [False, True])
 def test_dense_rows_are_independent_of_how_many_are_computed(dtype, transposed):
     """Greedy losslessness rests on this: a row's product is the same bits whether it is
-    computed alone (AR) or among a tree's rows (verify). bfloat16: any row count; float32:
-    from 2 rows (XLA:CPU computes a single float32 row with another kernel, see DESIGN.md)."""
+    computed alone (AR) or among a tree's rows (verify). bfloat16 weights: any row count;
+    float32: from 2 rows (XLA:CPU computes a single float32 row with another kernel, see
+    DESIGN.md). Both are float32-accurate products of float32 activations."""
     kx, kw = jax.random.split(jax.random.key(3))
-    x = jax.random.normal(kx, (16, 96)).astype(dtype)
+    x = jax.random.normal(kx, (16, 96))
     w = jax.random.normal(kw, (200, 96) if transposed else (96, 200)).astype(dtype)
     together = jax.jit(dense, static_argnums=2)(x, w, transposed)
     assert together.dtype == jnp.float32 and together.shape == (16, 200)
     for rows in (1, 2, 5) if dtype == jnp.bfloat16 else (2, 5):
         alone = jax.jit(dense, static_argnums=2)(x[:rows], w, transposed)
         np.testing.assert_array_equal(np.asarray(alone), np.asarray(together[:rows]))
-    w64 = np.asarray(w, np.float64)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
     exact = np.asarray(x, np.float64) @ (w64.T if transposed else w64)
-    np.testing.assert_allclose(np.asarray(together), exact, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(together), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_split_bfloat16_parts_sum_exactly_to_float32():
+    x = jax.random.normal(jax.random.key(4), (5, 64)) * jnp.logspace(-30, 30, 64)
+    parts = split_bfloat16(x)
+    assert parts.dtype == jnp.bfloat16 and parts.shape == (15, 64)
+    p = np.asarray(parts.astype(jnp.float32), np.float64).reshape(3, 5, 64)
+    np.testing.assert_array_equal(p[0] + p[1] + p[2], np.asarray(x, np.float64))

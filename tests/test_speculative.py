@@ -96,8 +96,8 @@ def test_greedy_is_lossless_with_random_and_oracle_drafters(name, tree_name):
 
 @pytest.mark.parametrize("tree_name", ["chain-4", "cpu-16"])
 def test_bfloat16_weights_decode_like_ar_on_a_tiny_model(tree_name):
-    """bfloat16 weights (float32 activations) run through the whole loop; on a tiny model
-    no near-tie flips, so output equals AR's (on real models see README, Precision)."""
+    """bfloat16 weights (float32-exact activations, `layers.dense`) through the whole loop:
+    the random and the oracle drafter give AR's output in that precision too."""
     cfg, params = tiny("tiny-mqa")
     ar, random, oracle = random_and_oracle_vs_ar(
         cfg, cast_floats(params, "bfloat16"), tree_preset(tree_name)
