@@ -116,28 +116,43 @@ class Runner:
         return r.token_ids, r.steps, r.prefill_s + r.decode_s
 
 
-def summarize(records, methods):
-    """records: method -> list of (category, ids, steps, seconds); AR is the reference."""
-    ar = [r[1] for r in records["ar"]]
+def row_dtype(name: str, run_dtype: str) -> str:
+    """A row's compute dtype: its own (METHOD:DTYPE) or the run's; the hf peer's float32."""
+    return "float32" if name in PEERS else name.partition(":")[2] or run_dtype
 
-    def stats(rows, ar_ids):
+
+def match_reference(name: str, run_dtype: str, methods: list[str]) -> str:
+    """The AR row a row's outputs are compared with: AR in the row's own dtype when the run
+    has it (like for like); AR rows in other dtypes against "ar", to show how far apart
+    those models' outputs are."""
+    dtype = row_dtype(name, run_dtype)
+    if name.partition(":")[0] == "ar" or dtype == run_dtype or f"ar:{dtype}" not in methods:
+        return "ar"
+    return f"ar:{dtype}"
+
+
+def summarize(records, methods, references):
+    """records: method -> list of (category, ids, steps, seconds); speedups are over "ar",
+    match_ar is against references[method] (the AR row of the method's dtype)."""
+
+    def stats(m, idx):
+        rows, ar_rows = [records[m][i] for i in idx], [records[references[m]][i] for i in idx]
         tokens = sum(len(r[1]) for r in rows)
         seconds = sum(r[3] for r in rows)
         return {
             "tokens_per_s": tokens / seconds,
             "mean_accepted": tokens / max(sum(r[2] for r in rows), 1),
-            "match_ar": sum(r[1] == a for r, a in zip(rows, ar_ids, strict=True)) / len(rows),
+            "match_ar": sum(r[1] == a[1] for r, a in zip(rows, ar_rows, strict=True)) / len(rows),
+            "reference": references[m],
             "new_tokens": tokens,
             "seconds": seconds,
         }
 
-    overall = {m: stats(records[m], ar) for m in methods}
+    overall = {m: stats(m, range(len(records["ar"]))) for m in methods}
     categories = {}
     for cat in dict.fromkeys(r[0] for r in records["ar"]):
         idx = [i for i, r in enumerate(records["ar"]) if r[0] == cat]
-        categories[cat] = {
-            m: stats([records[m][i] for i in idx], [ar[i] for i in idx]) for m in methods
-        }
+        categories[cat] = {m: stats(m, idx) for m in methods}
     for table in [overall, *categories.values()]:
         for m in methods:
             table[m]["speedup"] = table[m]["tokens_per_s"] / table["ar"]["tokens_per_s"]
@@ -145,6 +160,9 @@ def summarize(records, methods):
 
 
 def markdown(result) -> str:
+    def vs(stats):
+        return "" if stats["reference"] == "ar" else f" (vs {stats['reference']})"
+
     lines = [
         "| method | tokens/s | speedup | mean accepted | match_ar |",
         "|---|---|---|---|---|",
@@ -152,7 +170,7 @@ def markdown(result) -> str:
     for m, s in result["methods"].items():
         lines.append(
             f"| {m} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}x | "
-            f"{s['mean_accepted']:.2f} | {s['match_ar']:.2f} |"
+            f"{s['mean_accepted']:.2f} | {s['match_ar']:.2f}{vs(s)} |"
         )
     if len(result["categories"]) > 1:
         lines += ["", "| category | " + " | ".join(result["methods"]) + " |"]
@@ -199,8 +217,8 @@ def _main(argv) -> None:
     stored = load_model(args.model)
     models = {}  # dtype -> the model with its weights cast from the stored ones
 
-    def model_for(name: str):  # the hf peer computes in float32
-        dtype = "float32" if name in PEERS else name.partition(":")[2] or args.dtype
+    def model_for(name: str):
+        dtype = row_dtype(name, args.dtype)
         if dtype not in models:
             models[dtype] = dataclasses.replace(stored, params=cast_floats(stored.params, dtype))
         return models[dtype]
@@ -234,7 +252,8 @@ def _main(argv) -> None:
                 bar.update()
     bar.close()
 
-    overall, categories = summarize(records, methods)
+    references = {m: match_reference(m, args.dtype, methods) for m in methods}
+    overall, categories = summarize(records, methods, references)
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.default_backend()}",

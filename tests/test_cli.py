@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from infer.bench import main as bench_main
+from infer.bench import match_reference
 from infer.generate import main as generate_main
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
@@ -138,3 +139,11 @@ def test_roofline_reports_a_fraction(capsys):
     argv = ["--preset", "tiny-gqa", "--bandwidth-gbs", "10", "--steps", "4"]
     got = json.loads(run_ok(roofline_main, argv, capsys))
     assert got["model"] == "tiny-gqa" and got["fraction_of_floor"] > 0 and got["ms_per_token"] > 0
+
+
+def test_bench_compares_each_row_with_ar_in_its_own_dtype():
+    methods = ["ar", "ar:float32", "medusa", "firp@searched-8:float32", "hf"]
+    refs = {m: match_reference(m, "bfloat16", methods) for m in methods}
+    assert refs == {"ar": "ar", "ar:float32": "ar", "medusa": "ar",
+                    "firp@searched-8:float32": "ar:float32", "hf": "ar:float32"}  # fmt: skip
+    assert match_reference("firp:bfloat16", "float32", ["ar", "firp:bfloat16"]) == "ar"
