@@ -33,8 +33,8 @@ def default_model_dir() -> Path:
 
 
 def default_dtype():
-    """Weights in float32 on CPU (greedy decoding exact to the last bit; see README,
-    Precision), bfloat16 on accelerators."""
+    """Weights in float32 on CPU (its fastest AR step), bfloat16 on accelerators; products
+    are float32-accurate either way (`layers.dense`; README, Precision)."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
