@@ -116,3 +116,22 @@ def test_ppd_is_greedy_on_the_default_model(models, layer):
     assert gen.head is not None  # the shipped heads cover the default and layer 25
     assert gen.generate(ids, 48).token_ids == ar.token_ids
     assert any(gen.last_stats.matches)
+
+
+@pytest.mark.parametrize("method", ["medusa", "firp"])
+def test_bfloat16_weights_stay_lossless_on_the_default_model(models, method):
+    """With bfloat16 weights the products stay float32-accurate (`layers.dense`), so a
+    16-node tree gives bfloat16 AR's tokens (bfloat16 activations flipped near-ties here)."""
+    import dataclasses
+
+    from infer.common import build_generator, cast_floats
+    from jaxspec.text import encode_prompt
+
+    ours, _ = models
+    bf16 = dataclasses.replace(ours, params=cast_floats(ours.params, "bfloat16"))
+    for prompt in ("Write a short poem about the sea.", "What is 17 times 23? Explain."):
+        ids = encode_prompt(bf16.tokenizer, prompt)
+        ar = build_generator(bf16, "ar").generate(ids, 48)
+        spec = build_generator(bf16, method, tree="searched-16").generate(ids, 48)
+        assert spec.token_ids == ar.token_ids
+        assert spec.steps < ar.steps
