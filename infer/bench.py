@@ -70,7 +70,7 @@ def parse_args(argv=None):
         "--dtype",
         choices=DTYPES,
         default="float32",
-        help="compute dtype of every row; a row named METHOD:DTYPE (e.g. ar:float32) uses its own",
+        help="weight dtype of every row; a row named METHOD:DTYPE (e.g. ar:float32) uses its own",
     )
     return p.parse_args(argv)
 

@@ -55,7 +55,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--ppd-k", type=int, default=3, help="ppd: sub-processes (needs k+1 devices)")
     p.add_argument("--ppd-layer", type=int, help="ppd: early-prediction layer (>= half the depth)")
-    p.add_argument("--dtype", choices=DTYPES, help="compute dtype (default: as stored, float32)")
+    p.add_argument("--dtype", choices=DTYPES, help="weight dtype (default: as stored, float32)")
     p.add_argument("--max-len", type=int, help="cache length limit (default: the model's context)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
