@@ -112,6 +112,7 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
             settings.get("residual", True),
             settings.get("cache_size", 0),
             settings.get("full_heads", False),
+            settings.get("bottom", "ngram"),
         )
     from jaxspec.drafters.firp import FirpDrafter
 

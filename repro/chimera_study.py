@@ -3,8 +3,9 @@
 Each part writes `<out>/<part>.json` and `<out>/<part>.png`:
 - accuracy (Table 5): per-head top-1..5 agreement with the base model's greedy tokens on
   the test split, the shipped Chimera drafter vs the shipped Medusa drafter.
-- ngram (Table 7): the encoder over n-grams, n in --ngrams (default 1, 3, 5; the paper
-  has 1 to 5).
+- ngram (Table 7): the encoder over n-grams, n in --ngrams (default 1 to 5, as the paper),
+  and a decoder layer over the embeddings in its place (the model's first layer, frozen
+  and fine-tuned).
 - residual (Fig. 6): heads on [h ; encoder] (residual) vs on the encoder alone.
 - distill: with and without the MSE distillation term (weight --distill-weight).
 - timeshare (Table 6): per verify step, the share of time spent verifying vs drafting,
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=250, help="updates per ablation run")
     p.add_argument("--train-seqs", type=int, default=800, help="as the shipped drafter")
     p.add_argument("--test-seqs", type=int, default=60)
-    p.add_argument("--ngrams", default="1,3,5", help="n-gram sizes (ngram part)")
+    p.add_argument("--ngrams", default="1,2,3,4,5", help="n-gram sizes (ngram part)")
     p.add_argument("--distill-weight", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=30, help="timed steps (timeshare)")
     p.add_argument("--questions", help="Spec-Bench .jsonl (cache part)")
@@ -100,6 +101,9 @@ def part_ngram(args, model) -> dict:
     for n in map(int, args.ngrams.split(",")):
         report = train_variant(args, f"ngram-{n}", ["--ngram", str(n)])
         result[f"{n}-gram"] = report["test_topk_accuracy"]
+    for bottom in ("transformer-frozen", "transformer"):
+        report = train_variant(args, bottom, ["--bottom", bottom])
+        result[bottom] = report["test_topk_accuracy"]
     plot_topk(result, list(result), args.out / "ngram.png")
     return result
 

@@ -291,3 +291,37 @@ def test_full_heads_start_as_the_factorised_heads(residual):
             small.head_logits(params, small.init(params), h_real, h_enc, head),
             rtol=1e-4, atol=1e-4,
         )  # fmt: skip
+
+
+def test_the_frozen_transformer_bottom_is_the_models_first_layer():
+    """Table 7's "Transformer (Frozen)": the bottom states are the model's own states after
+    its first layer; the trainable variant starts there and has weights of its own."""
+    from jaxspec.drafters.chimera import bottom_states
+
+    cfg, params = tiny()
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    _, _, collected = run_layers(
+        params, cfg, embed(params, tokens), positions, None, causal_mask(2, 9), stop=1,
+        collect=(1,),
+    )  # fmt: skip
+    for bottom in ("transformer-frozen", "transformer"):
+        drafter = ChimeraDrafter(cfg, 2, bottom=bottom)
+        dparams = drafter.init(params)
+        assert ("bottom" in dparams) == (bottom == "transformer") and "trigram" not in dparams
+        states = bottom_states(drafter, params, dparams, tokens, positions)
+        np.testing.assert_allclose(states, collected[1], rtol=1e-5, atol=1e-5)
+    hidden = model_states(cfg, params, tokens)
+    rows = jnp.asarray([[3, 5], [4, 8]])
+    loss = lambda d: training_logits(drafter, params, d, tokens, hidden, rows).std()  # noqa: E731
+    grads = jax.grad(loss)(dparams)["bottom"]  # the trainable bottom layer learns
+    assert float(jnp.abs(grads["q_proj"]).max()) > 0
+
+
+def test_a_transformer_bottom_cannot_draft_and_says_so():
+    cfg, params = tiny()
+    drafter = ChimeraDrafter(cfg, 2, bottom="transformer")
+    with pytest.raises(JaxspecError, match="training-only ablation"):
+        SpeculativeGenerator(cfg, params, drafter, drafter.init(params), tree_preset("chain-2"))
+    with pytest.raises(JaxspecError, match="unknown Chimera bottom encoder 'lstm'"):
+        ChimeraDrafter(cfg, 2, bottom="lstm")

@@ -29,7 +29,12 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.drafters.chimera import ChimeraDrafter, encoder_outputs, training_logits
+from jaxspec.drafters.chimera import (
+    BOTTOMS,
+    ChimeraDrafter,
+    encoder_outputs,
+    training_logits,
+)
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
@@ -45,6 +50,13 @@ def parse_args(argv):
     p = trainer_parser("chimera", __doc__)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ngram", type=int, default=3, help="tokens per n-gram (paper: 3)")
+    p.add_argument(
+        "--bottom",
+        choices=BOTTOMS,
+        default="ngram",
+        help="bottom encoder: the n-gram MLP, or one decoder layer over the embeddings "
+        "(trainable or the model's frozen first layer; Table 7 ablation, cannot draft)",
+    )
     p.add_argument(
         "--no-residual", action="store_true", help="heads see only the encoder (Fig. 6 ablation)"
     )
@@ -170,8 +182,9 @@ def train(argv) -> dict:
     )
 
     drafter = ChimeraDrafter(
-        cfg, args.heads, args.ngram, not args.no_residual, full_heads=args.full_heads
-    )
+        cfg, args.heads, args.ngram, not args.no_residual, full_heads=args.full_heads,
+        bottom=args.bottom,
+    )  # fmt: skip
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
     params = drafter.init(model.params)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
@@ -210,6 +223,7 @@ def train(argv) -> dict:
         "ngram": args.ngram,
         "residual": not args.no_residual,
         "full_heads": args.full_heads,
+        "bottom": args.bottom,
         "trees": searched_trees(accuracy),
     }
     coverage = None
@@ -241,7 +255,12 @@ def card(args, cfg, report) -> str:
     )
     return f"""# Chimera drafter for {cfg.name}
 
-- {args.ngram}-gram encoder (ResBlock + Linear to D), full-context encoder (one Llama
+- {
+        f"{args.ngram}-gram encoder (ResBlock + Linear to D)"
+        if args.bottom == "ngram"
+        else f"bottom encoder: {args.bottom} (one decoder layer over the embeddings; "
+        "a training-only ablation that cannot draft)"
+    }, full-context encoder (one Llama
   decoder layer, initialised from the base model's last layer), {args.heads} heads on
   {"the encoder's output" if args.no_residual else "[h ; encoder output] (residual)"},
   {"each a full Linear to V" if args.full_heads else "each a Linear to D + the frozen lm_head"}.

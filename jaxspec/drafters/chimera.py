@@ -5,6 +5,10 @@ Modules (D the base model's width):
   (x_{i-2}, x_{i-1}, x_i) concatenated [3D], a ResBlock(3D) (x + SiLU(x W + b), W
   zero-initialised), then Linear(3D->D) (initialised to pick E(x_i)). Positions before the
   first token repeat it: (x0,x0,x0), (x0,x0,x1).
+  `bottom` "transformer" (trainable, initialised from the model's first layer) or
+  "transformer-frozen" (the model's own first layer) replaces it by one causal decoder
+  layer over the token embeddings: the paper's Table 7 ablation, for training and
+  evaluation only (drafting needs the n-gram encoder).
 - full-context encoder: one Llama decoder layer (initialised from the base model's last
   layer) whose queries are trigram states and whose keys/values are the base model's
   last-layer states h_j of the real tokens and the trigram states, each at its token's
@@ -57,6 +61,7 @@ from jaxspec.layers import rms_norm, rope_tables
 from jaxspec.llama import decoder_layer, embed, final_norm, layer_kv, vocab_projection
 from jaxspec.tree import TreeSpec
 
+BOTTOMS = ("ngram", "transformer", "transformer-frozen")
 # Slots past the model's cache length: a step writes its path and one more trigram.
 SPARE_SLOTS = 2
 
@@ -118,12 +123,17 @@ class ChimeraDrafter(Drafter):
     residual: bool = True
     cache_size: int = 0  # trigram cache entries (0: no cache)
     full_heads: bool = False
+    bottom: str = "ngram"  # or a transformer layer (BOTTOMS): a training-only ablation
 
     def __post_init__(self):
         if not 1 <= self.ngram <= 8 or self.n_heads < 1:
             raise JaxspecError(
                 f"Chimera needs 1 <= ngram <= 8 and >= 1 head, got ngram={self.ngram}, "
                 f"n_heads={self.n_heads}"
+            )
+        if self.bottom not in BOTTOMS:
+            raise JaxspecError(
+                f"unknown Chimera bottom encoder {self.bottom!r}; known: {', '.join(BOTTOMS)}"
             )
 
     @property
@@ -139,14 +149,20 @@ class ChimeraDrafter(Drafter):
                 base_params["embed_tokens"].T if self.cfg.tie_embeddings else base_params["lm_head"]
             )
             head_w = jnp.concatenate([lm, lm]) if self.residual else jnp.array(lm)
-        return {
-            "trigram": {
+        as_f32 = lambda tree: jax.tree.map(lambda x: jnp.array(x, jnp.float32), tree)  # noqa: E731
+        bottom = {}  # "transformer-frozen" reads the model's own first layer: nothing to train
+        if self.bottom == "ngram":
+            bottom["trigram"] = {
                 "res_w": jnp.zeros((n * D, n * D)),
                 "res_b": jnp.zeros((n * D,)),
                 "w": jnp.concatenate([jnp.zeros(((n - 1) * D, D)), eye]),
                 "b": jnp.zeros((D,)),
-            },
-            "encoder": jax.tree.map(lambda x: jnp.array(x, jnp.float32), base_params["layers"][-1]),
+            }
+        elif self.bottom == "transformer":
+            bottom["bottom"] = as_f32(base_params["layers"][0])
+        return {
+            **bottom,
+            "encoder": as_f32(base_params["layers"][-1]),
             "heads": [
                 {"w": head_w, "b": jnp.zeros((head_w.shape[1],))} for _ in range(self.n_heads)
             ],
@@ -181,6 +197,11 @@ class ChimeraDrafter(Drafter):
         return index.astype(jnp.int32)
 
     def check_tree(self, tree: TreeSpec) -> None:
+        if self.bottom != "ngram":
+            raise JaxspecError(
+                f"this Chimera drafter has a {self.bottom} bottom encoder, a training-only "
+                "ablation (paper Table 7); generate with an n-gram drafter (the shipped one)"
+            )
         if tree.max_depth > self.n_heads:
             raise JaxspecError(
                 f"tree depth {tree.max_depth} exceeds the drafter's {self.n_heads} Chimera heads; "
@@ -297,6 +318,22 @@ class ChimeraDrafter(Drafter):
         return self.to_tokens(drafter_params, tree_candidates(logits, tree))
 
 
+def bottom_states(drafter: ChimeraDrafter, base_params, params, tokens, positions):
+    """Whole sequences: tokens, positions [B,n] -> the bottom encoder's states [B,n,D]: the
+    n-gram ending at each token, or a causal decoder layer over the embeddings (state j
+    reads tokens <= j, so the n-gram masks hold for it too)."""
+    if drafter.bottom == "ngram":
+        windows = trigram_tokens(tokens, positions, drafter.ngram)
+        return encode_trigrams(base_params, params["trigram"], windows)
+    layer = params["bottom"] if drafter.bottom == "transformer" else base_params["layers"][0]
+    x = embed(base_params, tokens).astype(jnp.float32)
+    mask = causal_mask(*tokens.shape)
+    out, _, _ = decoder_layer(
+        drafter.cfg, layer, x, *rope_tables(drafter.cfg, positions), None, None, mask
+    )
+    return out
+
+
 def encoder_context(drafter: ChimeraDrafter, base_params, params, tokens, hidden):
     """Whole sequences: tokens [B,n], the model's last-layer states hidden [B,n,D] ->
     (trigram states [B,n,D], the encoder's keys and values over [real ; trigrams], each
@@ -305,9 +342,7 @@ def encoder_context(drafter: ChimeraDrafter, base_params, params, tokens, hidden
     B, n = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(n), (B, n))
     cos, sin = rope_tables(cfg, positions)
-    tri = encode_trigrams(
-        base_params, params["trigram"], trigram_tokens(tokens, positions, drafter.ngram)
-    )
+    tri = bottom_states(drafter, base_params, params, tokens, positions)
     both = jnp.concatenate([hidden.astype(jnp.float32), tri], axis=1)
     normed = rms_norm(both, enc["input_layernorm"], cfg.norm_eps)
     keys, values = layer_kv(
