@@ -8,12 +8,20 @@ from pathlib import Path
 
 import orbax.checkpoint as ocp
 
+# Flags added after runs were made, with their defaults: hashed only when set otherwise, so
+# those runs still resume.
+LATER_FLAGS = {"bottom": "ngram"}
+
 
 def run_name(args) -> str:
     """Checkpoints live per training setting: a rerun with the same flags resumes, a run
     with different ones starts fresh (more --steps continue the same run)."""
     after_training = ("save_every", "out", "steps", "draft_vocab")  # do not change the weights
-    flags = {k: v for k, v in vars(args).items() if k not in after_training}
+    flags = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in after_training and LATER_FLAGS.get(k, object()) != v
+    }
     return hashlib.sha1(repr(sorted(flags.items())).encode()).hexdigest()[:10]
 
 
