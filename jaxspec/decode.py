@@ -84,9 +84,10 @@ class Drafter:
     `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
     the token for every non-root tree node.
     Drafters with their own memory across steps (Chimera's encoder cache) override
-    `init_state` and `advance`: the state is created once per generation, updated from
-    `inputs.entered` before every `propose` (which reads it as `inputs.state`), and donated
-    between steps so its buffers are updated in place.
+    `init_state` and `advance`: the state is created once per generation (it may start from
+    the drafter params, e.g. a pre-filled table), updated from `inputs.entered` before every
+    `propose` (which reads it as `inputs.state`), and donated between steps so its buffers
+    are updated in place.
     Drafters that need a forward of their own over the committed cache (SDSAT's adaptive
     tokens) set `drafts_from_cache`: their `draft_from_cache` runs as a separate program
     after each commit and its candidates replace `propose`'s.
@@ -129,7 +130,7 @@ class Drafter:
         drafter's settings (e.g. tables derived from the base model's weights)."""
         return drafter_params
 
-    def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype):
+    def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, drafter_params=None):
         return None
 
     def advance(self, params, drafter_params, inputs: DraftInputs):
@@ -370,7 +371,7 @@ class SpeculativeGenerator:
         lengths = jnp.array([len(p) for p in prompts], jnp.int32)
         dp = self.drafter_params
 
-        state = self.drafter.init_state(self.cfg, B, S, jnp.float32)
+        state = self.drafter.init_state(self.cfg, B, S, jnp.float32, dp)
         pre_args = (self.params, dp, tokens, lengths, key, state)
         programs, compile_s = self._programs(pre_args, cache)
         run_prefill, run_step, commit_prompt, commit_path, run_redraft = programs

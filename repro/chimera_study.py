@@ -10,7 +10,8 @@ Each part writes `<out>/<part>.json` and `<out>/<part>.png`:
 - distill: with and without the MSE distillation term (weight --distill-weight).
 - timeshare (Table 6): per verify step, the share of time spent verifying vs drafting,
   measured by timing the step with the drafter and with drafting removed.
-- cache: the trigram cache's hit rate and its effect on step time (sizes 0, 4096, 65536)
+- cache: the trigram cache's hit rate and its effect on step time (sizes 0, 4096, 65536,
+  empty or pre-filled with the most frequent answer trigrams of the training data)
   generating answers to the first question of each Spec-Bench category (--questions).
 
 Ablations are trained here with `jaxspec-train chimera` at a small budget (--steps,
@@ -179,10 +180,17 @@ def part_cache(args, model) -> dict:
         encode_prompt(model.tokenizer, q.turns[0])
         for q in select(load_questions(args.questions), None, 1)
     ]
-    chimera, params = shipped(model, "chimera")
+    settings, raw = load_drafter(DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg)
+    chimera = make_drafter("chimera", model.cfg, settings)
+    train_f = answer_features(model, jaxspec_home() / "train" / model.cfg.name, "train",
+                              args.train_seqs, 128, 192)  # fmt: skip
+    frequent = chimera_train.frequent_ngrams(train_f, chimera.ngram, 65536)
     result = {}
-    for size in (0, 4096, 65536):
+    for size, prefill in ((0, 0), (4096, 0), (65536, 0), (4096, 4096), (65536, 65536)):
         drafter = dataclasses.replace(chimera, cache_size=size)
+        params = drafter.prepare(
+            model.params, raw, {**settings, "cache_prefill": frequent[:prefill]}
+        )
         gen = SpeculativeGenerator(model.cfg, model.params, drafter, params, tree_preset("chain-1"))
         gen.generate(prompts[0], 8)  # compile and warm up
         seconds = steps = hits = lookups = 0
@@ -192,11 +200,12 @@ def part_cache(args, model) -> dict:
             if size:
                 h, n = (int(x) for x in gen.drafter_state.lookups)
                 hits, lookups = hits + h, lookups + n
-        result[str(size)] = {
+        name = f"{size} pre-filled with {prefill}" if prefill else str(size)
+        result[name] = {
             "ms_per_step": round(1e3 * seconds / steps, 2),
             "hit_rate": round(hits / lookups, 3) if size else None,
         }
-        print(size, result[str(size)], flush=True)
+        print(name, result[name], flush=True)
     return result
 
 

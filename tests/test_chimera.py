@@ -325,3 +325,40 @@ def test_a_transformer_bottom_cannot_draft_and_says_so():
         SpeculativeGenerator(cfg, params, drafter, drafter.init(params), tree_preset("chain-2"))
     with pytest.raises(JaxspecError, match="unknown Chimera bottom encoder 'lstm'"):
         ChimeraDrafter(cfg, 2, bottom="lstm")
+
+
+def test_frequent_ngrams_of_the_answers_most_frequent_first():
+    from train.chimera import frequent_ngrams
+
+    tokens = np.array([[9, 1, 2, 3, 1, 2, 3, 1, 2, 0, 0]])
+    features = {"tokens": tokens, "starts": np.array([1]), "lengths": np.array([9])}
+    # bigrams ending in the answer: (9,1) (1,2) (2,3) (3,1) (1,2) (2,3) (3,1) (1,2)
+    assert frequent_ngrams(features, 2, 3) == [[1, 2], [2, 3], [3, 1]]
+    assert frequent_ngrams(features, 3, 1) == [[1, 2, 3]]
+
+
+def test_a_prefilled_trigram_cache_hits_from_the_first_token_and_stays_lossless():
+    import dataclasses
+
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=2)
+    drafter = dataclasses.replace(drafter, cache_size=64)
+    prepared = drafter.prepare(params, dparams, {"cache_prefill": [[5, 6, 7], [6, 7, 5]]})
+    seq = jnp.asarray([[5, 6, 7]])
+    h = model_states(cfg, params, seq)
+    state = drafter.init_state(cfg, 1, 16, jnp.float32, prepared)
+    state = advance(drafter, params, prepared, state, seq, 0, 3, h, 5)
+    np.testing.assert_array_equal(state.lookups, [2, 4])  # (5,6,7) and (6,7,5) pre-filled
+    plain = dataclasses.replace(drafter, cache_size=0)
+    ref = plain.init_state(cfg, 1, 16, jnp.float32)
+    ref = advance(plain, params, dparams, ref, seq, 0, 3, h, 5)
+    np.testing.assert_allclose(state.trigram_keys[:, :, :4], ref.trigram_keys[:, :, :4], atol=1e-5)
+
+    prompt = [5, 6, 7, 5, 6, 7, 8]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 30).token_ids
+    hits = []
+    for dp in (prepared, prepared, dparams):  # pre-filled twice, then an empty table
+        gen = SpeculativeGenerator(cfg, params, drafter, dp, tree_preset("chain-2"))
+        assert gen.generate(prompt, 30).token_ids == ar
+        hits.append(int(gen.drafter_state.lookups[0]))
+    assert hits[0] == hits[1] > hits[2]  # every generation starts from the pre-filled table

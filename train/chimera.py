@@ -73,6 +73,12 @@ def parse_args(argv):
         default=8192,
         help="the heads draft among this many most frequent answer tokens (0: all)",
     )
+    p.add_argument(
+        "--cache-prefill",
+        type=int,
+        default=4096,
+        help="store this many most frequent answer n-grams to pre-fill the trigram cache",
+    )
     return p.parse_args(argv)
 
 
@@ -107,6 +113,21 @@ def frequent_tokens(features: dict, n: int, always: tuple[int, ...]) -> list[int
     counts = np.bincount(np.concatenate(answers), minlength=1)
     top = np.argsort(-counts, kind="stable")[:n]
     return sorted(set(top[counts[top] > 0].tolist()) | set(always))
+
+
+def frequent_ngrams(features: dict, n: int, count: int) -> list[list[int]]:
+    """The `count` most frequent n-grams ending in the answers, most frequent first (ties in
+    first-seen order)."""
+    starts = features.get("starts", np.ones_like(features["lengths"]))
+    grams = [
+        np.lib.stride_tricks.sliding_window_view(row[max(s - n + 1, 0) : length], n)
+        for row, s, length in zip(features["tokens"], starts, features["lengths"], strict=True)
+    ]
+    unique, first, counts = np.unique(
+        np.concatenate(grams), axis=0, return_index=True, return_counts=True
+    )
+    order = np.lexsort((first, -counts))[:count]
+    return unique[order].tolist()
 
 
 def losses_fn(drafter, base, params, tokens, hidden, rows, labels, targets, distill):
@@ -230,6 +251,8 @@ def train(argv) -> dict:
     if args.draft_vocab:
         vocab = frequent_tokens(train_f, args.draft_vocab, tuple(cfg.eos_token_ids))
         settings["draft_vocab"] = vocab
+    if args.cache_prefill and args.bottom == "ngram":
+        settings["cache_prefill"] = frequent_ngrams(train_f, args.ngram, args.cache_prefill)
         test_tokens = np.concatenate([
             test_f["tokens"][n, s:length]
             for n, (s, length) in enumerate(zip(test_f["starts"], test_f["lengths"], strict=True))

@@ -36,6 +36,9 @@ for d tokens at depth d, and one vocabulary projection per depth.
 Trigram cache (`cache_size` > 0, the paper's §3.2.1): a direct-mapped table of trigram
 encodings keyed by the token triple (each slot keeps the most recent triple hashed to it),
 filled as tokens are committed and counted in `ChimeraState.lookups` (hits, lookups).
+settings["cache_prefill"] (frequent answer trigrams, most frequent first, written by the
+trainer) pre-fills it: `prepare` encodes them once and every generation starts from that
+table.
 When every trigram a computation needs is in the table the encoder MLP is skipped
 (`lax.cond`); drafting only reads the table.
 
@@ -52,6 +55,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, DraftInputs, tree_candidates
@@ -184,11 +188,25 @@ class ChimeraDrafter(Drafter):
         return vocab_projection(base_params, self.cfg, y)
 
     def prepare(self, params, drafter_params, settings):
+        if self.cache_size and settings.get("cache_prefill"):
+            table = self.prefilled_table(params, drafter_params, settings["cache_prefill"])
+            drafter_params = {**drafter_params, "cache_table": table}
         if not settings.get("draft_vocab") or self.full_heads:
             return drafter_params
         ids = jnp.asarray(settings["draft_vocab"], jnp.int32)
         lm = params["embed_tokens"] if self.cfg.tie_embeddings else params["lm_head"].T  # [V,D]
         return {**drafter_params, "vocab": {"ids": ids, "matrix": jnp.take(lm, ids, axis=0)}}
+
+    def prefilled_table(self, params, drafter_params, grams) -> jax.Array:
+        """grams [N,n] token ids, most frequent first -> a cache table [C,D+n] holding their
+        encodings; of the grams that share a slot, the most frequent keeps it."""
+        grams = np.asarray(grams, np.int32).reshape(-1, self.ngram)
+        slots = np.asarray(cache_slots(jnp.asarray(grams), self.cache_size))
+        _, first = np.unique(slots, return_index=True)  # the first (most frequent) per slot
+        grams, slots = grams[first], slots[first]
+        encoded = encode_trigrams(params, drafter_params["trigram"], jnp.asarray(grams)[None])[0]
+        table = jnp.full((self.cache_size, self.cfg.dim + self.ngram), -1.0, jnp.float32)
+        return table.at[slots].set(jnp.concatenate([encoded, grams.astype(np.float32)], -1))
 
     def to_tokens(self, drafter_params, index: jax.Array) -> jax.Array:
         """Indices into the heads' logits -> token ids."""
@@ -208,7 +226,7 @@ class ChimeraDrafter(Drafter):
                 "pick a shallower tree"
             )
 
-    def init_state(self, cfg, batch, max_len, dtype):
+    def init_state(self, cfg, batch, max_len, dtype, drafter_params=None):
         shape = (batch, cfg.n_kv_heads, max_len + SPARE_SLOTS, cfg.head_dim)
         zeros = lambda: jnp.zeros(shape, jnp.float32)  # noqa: E731
         tokens = jnp.zeros((batch, max_len + SPARE_SLOTS), jnp.int32)
@@ -216,6 +234,8 @@ class ChimeraDrafter(Drafter):
         table = lookups = None
         if self.cache_size:
             table = jnp.full((self.cache_size, cfg.dim + self.ngram), -1.0, jnp.float32)
+            if drafter_params and "cache_table" in drafter_params:  # a copy: states are donated
+                table = jnp.copy(drafter_params["cache_table"])
             lookups = jnp.zeros((2,), jnp.int32)
         return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros(), newest, table, lookups)
 
