@@ -362,3 +362,11 @@ def test_a_prefilled_trigram_cache_hits_from_the_first_token_and_stays_lossless(
         assert gen.generate(prompt, 30).token_ids == ar
         hits.append(int(gen.drafter_state.lookups[0]))
     assert hits[0] == hits[1] > hits[2]  # every generation starts from the pre-filled table
+
+
+def test_a_finished_run_keeps_its_last_step(trained_chimera):
+    """10 steps with --save-every 3: the last state is saved too, so a rerun of the finished
+    command evaluates without training again."""
+    out, _, second, _ = trained_chimera
+    (run,) = (out.parent / "work" / "checkpoints").iterdir()
+    assert 10 in {int(p.name) for p in run.iterdir() if p.name.isdigit()}

@@ -59,9 +59,10 @@ def resume(work: Path, args, state):
     )
 
 
-def save(manager, step: int, state) -> None:
-    """Save if `step` is on the manager's interval (orbax decides)."""
-    manager.save(step, args=ocp.args.StandardSave(state))
+def save(manager, step: int, state, last: bool) -> None:
+    """Save if `step` is on the manager's interval (orbax decides), and always the last one:
+    a finished run reruns without training again."""
+    manager.save(step, args=ocp.args.StandardSave(state), force=last)
 
 
 def command_flags(args) -> str:

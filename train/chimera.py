@@ -227,7 +227,7 @@ def train(argv) -> dict:
         if (step + 1) % 10 == 0:
             shown = " ".join(f"{x:.2f}" for x in np.asarray(losses))
             bar.set_postfix(loss=shown, **({"mse": f"{float(mse):.3f}"} if args.distill else {}))
-        save(manager, step + 1, state)
+        save(manager, step + 1, state, last=step + 1 == args.steps)
     manager.wait_until_finished()
     record = run_record(work, args)
     if first_step < args.steps:  # this invocation trained: record what it measured

@@ -292,7 +292,7 @@ def train(argv) -> dict:
         losses[stage + 1] = float(loss)
         bar.update()
         bar.set_postfix(firp_step=stage + 1, loss=f"{float(loss):.3f}")
-        save(manager, step + 1, state)
+        save(manager, step + 1, state, last=step + 1 == K * args.steps)
     bar.close()
     manager.wait_until_finished()
     maps = [*state["maps"][: K - 1], state["current"]]

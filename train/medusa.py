@@ -160,7 +160,7 @@ def train(argv) -> dict:
         )
         if (step + 1) % 10 == 0:
             bar.set_postfix(loss=" ".join(f"{x:.2f}" for x in np.asarray(losses)))
-        save(manager, step + 1, state)
+        save(manager, step + 1, state, last=step + 1 == args.steps)
     manager.wait_until_finished()
 
     accuracy = evaluate(drafter, model.params, state["params"], test_f, args.targets)

@@ -153,7 +153,7 @@ def train(argv) -> dict:
                                    optimizer=optimizer)  # fmt: skip
         if (step + 1) % 10 == 0:
             bar.set_postfix(loss=" ".join(f"{float(v):.2f}" for v in losses.values()))
-        save(manager, step + 1, state)
+        save(manager, step + 1, state, last=step + 1 == args.steps)
     manager.wait_until_finished()
     record = run_record(work, args)
     if first_step < args.steps:

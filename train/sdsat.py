@@ -218,7 +218,7 @@ def train(argv) -> dict:
         )  # fmt: skip
         if (step + 1) % 5 == 0:
             bar.set_postfix(loss=f"{float(loss):.3f}")
-        save(manager, step + 1, state)
+        save(manager, step + 1, state, last=step + 1 == args.steps)
     manager.wait_until_finished()
     record = run_record(work, args)
     if first_step < args.steps:  # this invocation trained: record what it measured

@@ -97,7 +97,7 @@ def train_full(args, model, train_data, work: Path, out: Path, evaluate) -> dict
             state, train_data["tokens"][seqs], answer.astype(np.float32), masked, offset,
             cfg=cfg, optimizer=optimizer, n_ids=args.ids, w=1.0,
         )  # fmt: skip
-        save(manager, step + 1, state)
+        save(manager, step + 1, state, last=step + 1 == args.steps)
     manager.wait_until_finished()
     record = run_record(work, args)
     if first_step < args.steps:
