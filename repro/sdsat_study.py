@@ -4,6 +4,8 @@
     python -m repro.sdsat_study sampling   # Table 4's nucleus rows: trees of depth k+1, top-W
     python -m repro.sdsat_study quality    # Table 1's question for mode (a): HumanEval pass@1
                                            # and ShareGPT test perplexity, before and after
+    python -m repro.sdsat_study trees      # the shipped adapter's top-1..5 accuracy per depth
+                                           # on the test split and the trees searched from it
 
 The first two run `jaxspec-bench` on HumanEval prompts (AR and SDSAT at every k side by side,
 interleaved prompt by prompt) with the shipped adapter, and writes
@@ -31,7 +33,7 @@ from jaxspec.data.sources import humaneval_problems, sharegpt_split
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import forward
-from repro.plots import run_part
+from repro.plots import plot_topk, run_part
 from train.features import conversation_ids
 
 OUT = Path(__file__).resolve().parent / "results" / "sdsat"
@@ -93,6 +95,24 @@ def part_sampling(args, model) -> dict:
         summaries[f"t={temperature}"] = per_k(result, ks, lambda k: f"comb-{k + 1}-{args.width}")
     plot_k(summaries, args.out / "sampling.png")
     return {"width": args.width, "top_p": 0.95, **summaries}
+
+
+def part_trees(args, model) -> dict:
+    """Top-1..5 accuracy of the shipped adapter's drafts per depth (40 ShareGPT test
+    answers, as its card) and `searched-N` trees from it (the shipped drafter.json's)."""
+    from infer.common import DRAFTERS_DIR, make_drafter
+    from jaxspec.drafters.store import load_drafter
+    from train import sdsat as sdsat_train
+    from train.features import self_answers
+
+    settings, dparams = load_drafter(DRAFTERS_DIR / model.cfg.name / "sdsat", "sdsat", model.cfg)
+    drafter = make_drafter("sdsat", model.cfg, settings)
+    root = jaxspec_home() / "train" / model.cfg.name
+    test = self_answers(model, root, "test", 40, 128, 192)
+    evaluation = sdsat_train.evaluate(drafter, model.params, dparams, test, settings["window"])
+    trees = sdsat_train.sdsat_trees(evaluation["topk_per_depth"])
+    plot_topk({"sdsat": evaluation["topk_per_depth"]}, ["sdsat"], args.out / "trees.png", "depth")
+    return {**evaluation, "trees": trees}
 
 
 def plot_k(summaries: dict, path: Path) -> None:
@@ -163,7 +183,7 @@ def part_quality(args, model) -> dict:
     return result
 
 
-PARTS = {"k": part_k, "sampling": part_sampling, "quality": part_quality}
+PARTS = {"k": part_k, "sampling": part_sampling, "quality": part_quality, "trees": part_trees}
 
 
 def main(argv=None) -> None:

@@ -149,6 +149,23 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     gen = build_generator(model, "sdsat", out)
     assert gen.tree == tree_preset("chain-3")
     assert gen.generate(prompt, 24).token_ids == ar
+    topk = np.array(second["test"]["topk_per_depth"])  # [3,5]: cumulative top-1..5
+    assert topk.shape == (3, 5) and np.all(np.diff(topk, axis=1) >= 0)
+    np.testing.assert_allclose(topk[:, 0], second["test"]["top1_per_depth"])
+    for name, paths in settings["trees"].items():  # depth 1 is the model's own: rank 0 only
+        assert TreeSpec.from_paths(paths).n_nodes <= int(name.split("-")[1])
+        assert [p for p in paths if len(p) == 1] == [[0]]
+        gen = build_generator(model, "sdsat", out, tree=name)
+        assert gen.generate(prompt, 24).token_ids == ar
+
+
+def test_sdsat_trees_spend_no_node_on_depth_one_alternatives():
+    from train.sdsat import sdsat_trees
+
+    topk = [[0.5, 0.6, 0.7, 0.75, 0.8], [0.3, 0.4, 0.45, 0.5, 0.55]]  # depths 2 and 3
+    trees = sdsat_trees(topk, sizes=(4, 6))
+    assert trees["searched-4"] == [[0], [0, 0], [0, 0, 0]]  # 0.5 * 0.3 beats 0.1
+    assert trees["searched-6"] == [[0], [0, 0], [0, 1], [0, 2], [0, 0, 0]]
 
 
 def test_the_adaptive_vocabulary_round_trips_and_is_refused_for_another_model(tmp_path):

@@ -37,6 +37,7 @@ from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
+from jaxspec.tree import searched_trees
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, run_record, save
 from train.features import self_answers
@@ -142,38 +143,48 @@ def train_step(state, params, tokens, lengths, spans, *, drafter, optimizer, L):
 
 @partial(jax.jit, static_argnames=("drafter", "L"))
 def span_hits(params, dparams, tokens, lengths, spans, *, drafter, L):
-    """-> correct top-1 [B,n,L] and valid [B,n,L] for every span's rows."""
+    """-> label within the top-1..5 [B,n,L,5] and valid [B,n,L] for every span's rows."""
     logits, _, positions = span_logits(drafter, params, dparams, tokens, spans, L)
     labels, valid = span_targets(tokens, lengths, positions)
-    correct = jnp.argmax(logits, -1) == labels
+    ranks = jax.lax.top_k(logits, 5)[1]  # [B,R,5]
+    hits = jnp.cumsum(ranks == labels[..., None], axis=-1) > 0
     B = tokens.shape[0]
-    return correct.reshape(B, -1, L), valid.reshape(B, -1, L)
+    return hits.reshape(B, -1, L, 5), valid.reshape(B, -1, L)
 
 
 def evaluate(drafter, params, dparams, data, L: int, stride: int = 4) -> dict:
-    """Spans at every `stride`-th answer position of every test sequence: top-1 accuracy
+    """Spans at every `stride`-th answer position of every test sequence: top-1..5 accuracy
     per depth and the mean leading run of correct drafts (spans with all L rows inside)."""
-    correct_sum, valid_sum, runs = np.zeros(L), np.zeros(L), []
+    hits_sum, valid_sum, runs = np.zeros((L, 5)), np.zeros(L), []
     width = data["tokens"].shape[1] // stride  # spans padded to one shape: one compilation
     for n in range(len(data["tokens"])):
         start, length = int(data["starts"][n]), int(data["lengths"][n])
         spans = np.arange(start - 1, start - 1 + width * stride, stride)
         spans = np.minimum(spans, max(length - 2, 0))[None].astype(np.int32)
-        correct, valid = map(np.asarray, span_hits(
+        hits, valid = map(np.asarray, span_hits(
             params, dparams, data["tokens"][n : n + 1], data["lengths"][n : n + 1], spans,
             drafter=drafter, L=L,
         ))  # fmt: skip
         keep = np.concatenate([[True], spans[0, 1:] != spans[0, :-1]])  # padded spans repeat
-        correct, valid = correct[0, keep], valid[0, keep]
-        correct_sum += (correct & valid).sum(0)
+        hits, valid = hits[0, keep], valid[0, keep]
+        hits_sum += (hits & valid[..., None]).sum(0)
         valid_sum += valid.sum(0)
         full = valid.all(1)
-        runs += np.cumprod(correct[full], axis=1).sum(1).tolist()
+        runs += np.cumprod(hits[full, :, 0], axis=1).sum(1).tolist()
+    topk = hits_sum / np.maximum(valid_sum, 1)[:, None]
     return {
-        "top1_per_depth": [round(float(x), 4) for x in correct_sum / np.maximum(valid_sum, 1)],
+        "top1_per_depth": [round(float(x), 4) for x in topk[:, 0]],
+        "topk_per_depth": [[round(float(x), 4) for x in row] for row in topk],
         "mean_leading_correct": round(float(np.mean(runs)), 3) if runs else None,
         "spans": len(runs),
     }
+
+
+def sdsat_trees(topk_per_depth, sizes=(4, 6, 8, 16)) -> dict[str, list[list[int]]]:
+    """Trees searched from adaptive token j's measured top-1..5 accuracy [L,5] at depth j+1;
+    depth 1 is the model's own next token, always right at rank 0."""
+    certain = np.array([[1.0] * 5])
+    return searched_trees(np.concatenate([certain, np.asarray(topk_per_depth)]), sizes)
 
 
 def train(argv) -> dict:
@@ -230,8 +241,9 @@ def train(argv) -> dict:
         })  # fmt: skip
     evaluation = evaluate(drafter, model.params, state["params"], test_data, args.window)
     settings = {"rank": args.rank, "n_ids": args.ids, "window": args.window,
-                "cpu_tree": args.cpu_tree, "gpu_tree": "comb-8-4"}  # fmt: skip
-    report = {"steps": int(state["step"]), **record, "test": evaluation}
+                "cpu_tree": args.cpu_tree, "gpu_tree": "comb-8-4",
+                "trees": sdsat_trees(evaluation["topk_per_depth"])}  # fmt: skip
+    report = {"steps": int(state["step"]), **record, "test": evaluation, "trees": settings["trees"]}
     params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
     save_drafter(out, "sdsat", settings, params16, cfg, card(args, cfg, report))
     print(json.dumps(report, indent=2))
@@ -267,6 +279,10 @@ mean number of leading correct drafts of a {args.window}-token chain: **{
 | depth 2.. | {" | ".join(str(j + 2) for j in range(args.window))} |
 |---|{"---|" * args.window}
 | top-1 | {depths} |
+| top-5 | {" | ".join(f"{row[-1]:.3f}" for row in test["topk_per_depth"])} |
+
+Trees searched from the top-1..5 accuracy (`searched-N`, N nodes with the root):
+{", ".join(f"{name} {paths}" for name, paths in report["trees"].items())}.
 """
 
 
