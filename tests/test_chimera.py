@@ -183,6 +183,8 @@ def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
     assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "chimera" and meta["settings"]["n_heads"] == 3
+    prefill = meta["settings"]["cache_prefill"]  # frequent answer trigrams
+    assert prefill and all(len(gram) == 3 for gram in prefill)
     model = load_model(ckpt)
     settings, dparams = load_drafter(out, "chimera", model.cfg)
     drafter = make_drafter("chimera", model.cfg, settings)
@@ -370,3 +372,23 @@ def test_a_finished_run_keeps_its_last_step(trained_chimera):
     out, _, second, _ = trained_chimera
     (run,) = (out.parent / "work" / "checkpoints").iterdir()
     assert 10 in {int(p.name) for p in run.iterdir() if p.name.isdigit()}
+
+
+def test_a_transformer_bottom_trains_but_its_drafter_is_refused(tiny_ckpt, tmp_path):
+    import json
+
+    import train.chimera as chimera
+    import train.features as features
+    from infer.common import build_generator, load_model
+    from tests.test_medusa import conversations
+
+    args = [*tiny_training_args(tiny_ckpt[0], tmp_path), "--rows", "8", "--heads", "2",
+            "--steps", "2", "--bottom", "transformer"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        report = chimera.train(args)
+    assert np.array(report["test_topk_accuracy"]).shape == (2, 5)
+    settings = json.loads((tmp_path / "out" / "drafter.json").read_text())["settings"]
+    assert settings["bottom"] == "transformer" and "cache_prefill" not in settings
+    with pytest.raises(JaxspecError, match="training-only ablation"):
+        build_generator(load_model(tiny_ckpt[0]), "chimera", tmp_path / "out")

@@ -251,13 +251,13 @@ def train(argv) -> dict:
     if args.draft_vocab:
         vocab = frequent_tokens(train_f, args.draft_vocab, tuple(cfg.eos_token_ids))
         settings["draft_vocab"] = vocab
-    if args.cache_prefill and args.bottom == "ngram":
-        settings["cache_prefill"] = frequent_ngrams(train_f, args.ngram, args.cache_prefill)
         test_tokens = np.concatenate([
             test_f["tokens"][n, s:length]
             for n, (s, length) in enumerate(zip(test_f["starts"], test_f["lengths"], strict=True))
         ])  # fmt: skip
         coverage = round(float(np.isin(test_tokens, vocab).mean()), 4)
+    if args.cache_prefill and args.bottom == "ngram":
+        settings["cache_prefill"] = frequent_ngrams(train_f, args.ngram, args.cache_prefill)
     report = {
         "steps": int(state["step"]),
         **record,
