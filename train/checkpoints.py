@@ -16,13 +16,8 @@ LATER_FLAGS = {"bottom": "ngram"}
 def run_name(args) -> str:
     """Checkpoints live per training setting: a rerun with the same flags resumes, a run
     with different ones starts fresh (more --steps continue the same run)."""
-    after_training = (
-        "save_every",
-        "out",
-        "steps",
-        "draft_vocab",
-        "cache_prefill",
-    )  # do not change the weights
+    # Flags that do not change the weights.
+    after_training = ("save_every", "out", "steps", "draft_vocab", "cache_prefill")
     flags = {
         k: v
         for k, v in vars(args).items()
