@@ -117,7 +117,7 @@ class Runner:
 
 
 def row_dtype(name: str, run_dtype: str) -> str:
-    """A row's compute dtype: its own (METHOD:DTYPE) or the run's; the hf peer's float32."""
+    """A row's weight dtype: its own (METHOD:DTYPE) or the run's; the hf peer's float32."""
     return "float32" if name in PEERS else name.partition(":")[2] or run_dtype
 
 
