@@ -124,6 +124,15 @@ def test_bench_bad_questions(tmp_path, capsys):
 def test_train_names_what_exists(capsys):
     err = one_line_error(train_main, ["eagle"], capsys)
     assert "no trainer for method 'eagle' (available: medusa, firp, chimera, sdsat, ppd)" in err
+    assert "name a method to train" in one_line_error(train_main, [], capsys)
+
+
+def test_train_help_is_the_methods_own(capsys):
+    train_main(["--help"])
+    assert "one of medusa, firp, chimera, sdsat, ppd" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(["firp", "--help"])
+    assert exit_info.value.code == 0 and "--layers" in capsys.readouterr().out
 
 
 def test_bench_refuses_sampling_for_the_greedy_peer(tiny_ckpt, tmp_path, capsys):

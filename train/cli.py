@@ -13,9 +13,15 @@ TRAINERS = {name: f"train.{name}" for name in ("medusa", "firp", "chimera", "sds
 
 
 def _main(argv) -> None:
-    p = argparse.ArgumentParser(prog="jaxspec-train", description=__doc__)
-    p.add_argument("method", help=f"one of {', '.join(TRAINERS)}")
+    # No help of its own once a method is named: `jaxspec-train firp --help` is firp's.
+    p = argparse.ArgumentParser(prog="jaxspec-train", description=__doc__, add_help=False)
+    p.add_argument("method", nargs="?", help=f"one of {', '.join(TRAINERS)}")
     args, rest = p.parse_known_args(argv)
+    if args.method is None:
+        if {"-h", "--help"} & set(rest):
+            p.print_help()
+            return
+        raise JaxspecError(f"name a method to train: jaxspec-train {{{','.join(TRAINERS)}}} ...")
     if args.method not in TRAINERS:
         raise JaxspecError(
             f"no trainer for method {args.method!r} (available: {', '.join(TRAINERS)})"
