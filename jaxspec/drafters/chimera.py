@@ -233,9 +233,10 @@ class ChimeraDrafter(Drafter):
         newest = jnp.zeros((batch, cfg.dim), jnp.float32)
         table = lookups = None
         if self.cache_size:
-            table = jnp.full((self.cache_size, cfg.dim + self.ngram), -1.0, jnp.float32)
             if drafter_params and "cache_table" in drafter_params:  # a copy: states are donated
                 table = jnp.copy(drafter_params["cache_table"])
+            else:
+                table = jnp.full((self.cache_size, cfg.dim + self.ngram), -1.0, jnp.float32)
             lookups = jnp.zeros((2,), jnp.int32)
         return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros(), newest, table, lookups)
 
