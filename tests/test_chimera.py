@@ -107,8 +107,9 @@ def test_the_cached_encoder_equals_a_full_recompute():
 
 @pytest.mark.parametrize("ngram, residual", [(3, True), (2, False), (5, True)])
 def test_drafting_computes_what_training_trains(ngram, residual):
-    """Head d's logits along the drafted chain equal training_logits on the sequence
-    extended by the chain's tokens (lag d), for every depth and encoder variant."""
+    """Every tree node with children: its head's logits equal training_logits on the
+    sequence extended by the node's own path (lag depth + 1), and its children are their
+    top tokens by rank, off the top-1 chain too, for every encoder variant."""
     cfg, params = tiny()
     drafter, dparams = random_chimera(cfg, params, 3, ngram=ngram, residual=residual)
     p = 7
@@ -118,16 +119,27 @@ def test_drafting_computes_what_training_trains(ngram, residual):
         drafter, params, dparams, drafter.init_state(cfg, 1, 16, jnp.float32), seq[:, :p], 0, p,
         h, seq[0, p],
     )  # fmt: skip
+    tree = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0), (1, 1, 0)])
     L = cfg.n_layers
     inputs = DraftInputs({L: h[:, p - 1]}, seq[:, p], jnp.asarray([p]), None, None, state=state)
-    logits, chain = drafter.draft_chain(params, dparams, inputs, 3)
-
-    extended = jnp.concatenate([seq, chain[:, :2]], axis=1)  # [1, p+3]
-    hidden = jnp.concatenate([h, jnp.full((1, 3, cfg.dim), 7.0)], axis=1)  # never seen
-    rows = jnp.asarray([[p, p + 1, p + 2]])
-    trained = training_logits(drafter, params, dparams, extended, hidden, rows)  # [1,3,K,V]
-    for d in range(1, 4):
-        np.testing.assert_allclose(trained[0, d - 1, d - 1], logits[0, d - 1], rtol=1e-4, atol=1e-4)
+    candidates, logits = drafter.draft_tree(params, dparams, inputs, tree)
+    tokens = np.concatenate([np.asarray(seq[0, p:]), np.asarray(candidates[0])])  # per node
+    internal = [i for i in range(tree.n_nodes) if i in tree.parent]
+    assert logits.shape[1] == len(internal) == 5
+    for slot, node in enumerate(internal):
+        path = [node]
+        while path[-1] != 0:
+            path.append(int(tree.parent[path[-1]]))
+        depth = len(path) - 1
+        extended = jnp.concatenate([seq, jnp.asarray(tokens[path[-2::-1]])[None]], axis=1)
+        hidden = jnp.concatenate([h, jnp.full((1, depth + 1, cfg.dim), 7.0)], axis=1)  # unseen
+        trained = training_logits(
+            drafter, params, dparams, extended, hidden, jnp.asarray([[p + depth]])
+        )  # [1,1,K,V]
+        np.testing.assert_allclose(trained[0, 0, depth], logits[0, slot], rtol=1e-4, atol=1e-4)
+        ranked = np.argsort(-np.asarray(logits[0, slot]))
+        for child in np.flatnonzero(tree.parent == node):
+            assert tokens[child] == ranked[tree.rank[child]]
 
 
 @pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])

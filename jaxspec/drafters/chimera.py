@@ -19,19 +19,19 @@ Modules (D the base model's width):
   `full_heads=True` gives each head the paper's own Linear(2D->V), initialised
   [W_lm ; W_lm] (V x 2D per head: larger than the base model at V=49152, D=576).
 
-Drafting after a verify step, with current token x_p (position p, not yet in the model's
-cache) and the model's state h_{p-1} that predicted it: the trigram query q_1 ending at
-x_p attends to the real states h_0..h_{p-1} and the trigrams up to itself; head 1 on
-[h_{p-1} ; ĥ_1] guesses x_{p+1}. Query q_d (d >= 2) is the trigram ending at the depth
-d-1 draft (the top-1 token of head d-1), at position p+d-1; it sees the same real states
-and the chain's trigrams; head d guesses x_{p+d}. So head d always works d positions past
-its last real state ("lag d"), and training uses the same masks (`training_logits`).
-Tree node (depth d, rank r) takes the rank-r token of head d, all along the top-1 chain.
+Drafting after a verify step, with current token x_p (the tree's root: position p, not
+yet in the model's cache) and the model's state h_{p-1} that predicted it: every tree node
+with children has a query, the trigram ending at its token, at position p + its depth d;
+it attends to the real states h_0..h_{p-1}, the committed trigrams and the trigrams of its
+own path, and head d+1 on [h_{p-1} ; ĥ] ranks its children (`draft_tree`). So head d
+always works d positions past its last real state ("lag d"), and training uses the same
+masks with the true tokens as the path (`training_logits`).
 
 The encoder keeps its own cache (`ChimeraState`): keys/values of every committed token's
 real state and trigram, written once when the token enters the model's cache, so the
-prefix is never re-encoded. Cost of drafting per step: the trigram encoder and one block
-for d tokens at depth d, and one vocabulary projection per depth.
+prefix is never re-encoded. Cost of drafting per step, for a tree's I internal nodes: the
+trigram encoder for I - 1 of them, one block per depth over the internal nodes above it,
+and I vocabulary projections (the draft vocabulary's rows).
 
 Trigram cache (`cache_size` > 0, the paper's §3.2.1): a direct-mapped table of trigram
 encodings keyed by the token triple (each slot keeps the most recent triple hashed to it),
@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import Drafter, DraftInputs, tree_candidates
+from jaxspec.decode import Drafter, DraftInputs
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, write_rows
 from jaxspec.layers import rms_norm, rope_tables
@@ -301,42 +301,74 @@ class ChimeraDrafter(Drafter):
             lookups,
         )
 
-    def draft_chain(self, params, drafter_params, inputs: DraftInputs, depth: int):
-        """-> logits [B,depth,V] of heads 1..depth along the top-1 chain, and the chain's
-        tokens [B,depth]."""
+    def draft_tree(self, params, drafter_params, inputs: DraftInputs, tree: TreeSpec):
+        """-> (candidates [B,T-1], logits [B,I,V]): every node with children (I of them, in
+        node order; the root first) drafts them from its own path. Its query is the trigram
+        ending at its token, at position p + its depth; it sees the real states h_j (j < p),
+        the committed trigrams and its ancestors' trigrams; head depth+1 on [h_{p-1} ; ĥ]
+        ranks its children (child of rank r: the rank-r token). Depth by depth, since a
+        node's trigram needs its token."""
         st, p = inputs.state, inputs.position
         B, S = st.tokens.shape
+        n, T = self.ngram, tree.n_nodes
         enc = drafter_params["encoder"]
         context_k = jnp.concatenate([st.real_keys, st.trigram_keys], axis=2)  # [B,K,2S,H]
         context_v = jnp.concatenate([st.real_values, st.trigram_values], axis=2)
         before = jnp.arange(S)[None] < p[:, None]  # [B,S]: real h_j and committed T_j, j < p
         context = jnp.concatenate([before, before], axis=1)[:, None]  # [B,1,2S]
-        window = trigram_tokens(st.tokens, p[:, None], self.ngram)[:, 0]  # [B,n] ending at x_p
-        queries, logits, chain = [], [], []
+        window = trigram_tokens(st.tokens, p[:, None], n)[:, 0]  # [B,n] ending at x_p
+        internal = np.flatnonzero(np.isin(np.arange(T), tree.parent))  # [I] static
+        grams = tree_ngram_index(tree, n)[internal]  # [I,n] into [window[:n-1] ; node tokens]
+        nodes = jnp.zeros((B, T), jnp.int32).at[:, 0].set(inputs.current)
+        states = jnp.zeros((B, len(internal), self.cfg.dim), jnp.float32)
         h_real = inputs.hidden[self.cfg.n_layers]
-        for d in range(1, depth + 1):
-            if d == 1:  # the trigram ending at x_p: `advance` just encoded it
-                queries.append(st.newest)
+        logits = []  # per depth: [B,level,V]
+        for d in range(1, tree.max_depth + 1):
+            level = np.flatnonzero(tree.depth[internal] == d - 1)  # slots of depth d-1
+            if d == 1:  # the root's trigram: `advance` just encoded it
+                states = states.at[:, 0].set(st.newest)
             else:
-                encoded, _ = self.encode(params, drafter_params, window[:, None], st.table)
-                queries.append(encoded[:, 0])
-            q = jnp.stack(queries, 1)  # [B,d,D]
-            positions = p[:, None] + jnp.arange(d)
-            seen = jnp.broadcast_to(context, (B, d, 2 * S))
-            mask = jnp.concatenate([seen, causal_mask(B, d)], -1)
+                source = jnp.concatenate([window[:, : n - 1], nodes], axis=1)
+                encoded, _ = self.encode(params, drafter_params, source[:, grams[level]], st.table)
+                states = states.at[:, level].set(encoded)
+            seen = np.flatnonzero(tree.depth[internal] <= d - 1)  # a prefix: nodes by depth
+            queries = internal[seen]
+            positions = p[:, None] + jnp.asarray(tree.depth[queries])
+            among = jnp.asarray(tree.mask[queries][:, queries])  # ancestors among the queries
+            mask = jnp.concatenate([
+                jnp.broadcast_to(context, (B, len(seen), 2 * S)),
+                jnp.broadcast_to(among, (B, len(seen), len(seen))),
+            ], -1)  # fmt: skip
             out, _, _ = decoder_layer(
-                self.cfg, enc, q, *rope_tables(self.cfg, positions), context_k, context_v, mask
-            )
-            logits.append(self.head_logits(params, drafter_params, h_real, out[:, -1], d))
-            chain.append(self.to_tokens(drafter_params, jnp.argmax(logits[-1], -1)))
-            window = jnp.concatenate([window[:, 1:], chain[-1][:, None]], axis=1)
-        return jnp.stack(logits, 1), jnp.stack(chain, 1)
+                self.cfg, enc, states[:, seen], *rope_tables(self.cfg, positions), context_k,
+                context_v, mask,
+            )  # fmt: skip
+            h = jnp.broadcast_to(h_real[:, None], (B, len(level), h_real.shape[-1]))
+            logits.append(self.head_logits(params, drafter_params, h, out[:, level], d))
+            children = np.flatnonzero(tree.depth == d)
+            top = jax.lax.top_k(logits[-1], int(tree.rank[children].max()) + 1)[1]
+            parent = np.searchsorted(level, np.searchsorted(internal, tree.parent[children]))
+            picked = top[:, parent, tree.rank[children]]  # [B,children]
+            nodes = nodes.at[:, children].set(self.to_tokens(drafter_params, picked))
+        return nodes[:, 1:], jnp.concatenate(logits, axis=1)
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
-        logits, _ = self.draft_chain(params, drafter_params, inputs, tree.max_depth)
-        return self.to_tokens(drafter_params, tree_candidates(logits, tree))
+        return self.draft_tree(params, drafter_params, inputs, tree)[0]
+
+
+def tree_ngram_index(tree: TreeSpec, n: int) -> np.ndarray:
+    """[T,n] where each node's n-gram (the last n tokens of its path, oldest first) sits in
+    [x_{p-n+1} .. x_{p-1} ; node tokens] (n-1 + T entries; node 0 is the root x_p)."""
+    index = np.zeros((tree.n_nodes, n), np.int32)
+    for node in range(tree.n_nodes):
+        path = [node]
+        while path[-1] != 0:
+            path.append(int(tree.parent[path[-1]]))
+        last = [n - 1 + i for i in reversed(path)]  # root .. node, in the source
+        index[node] = ([*range(n - 1), *last])[-n:]
+    return index
 
 
 def bottom_states(drafter: ChimeraDrafter, base_params, params, tokens, positions):
