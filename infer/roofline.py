@@ -1,10 +1,15 @@
-"""AR decode speed as a fraction of the memory-bandwidth floor, at any preset's shapes.
+"""AR decode speed as a fraction of the memory-bandwidth floor, at any preset's shapes, and
+what a tree verify step costs next to it.
 
 Random weights (speed does not depend on their values), made on the device. The floor is
 the time to read every parameter and the live cache once per token at the given
 bandwidth. Steps are dispatched back to back without a host round trip per token.
+`--trees` also times full verify steps (forward of the tree against the cache, greedy
+acceptance, Medusa heads drafting the next candidates, commit of the accepted path) and
+reports each over the AR step.
 
     python -m infer.roofline --preset llama-2-7b --bandwidth-gbs 3350   # H100 SXM HBM3
+    python -m infer.roofline --preset llama-2-7b --bandwidth-gbs 4800 --trees cpu-16 gpu-32 gpu-63
 """
 
 from __future__ import annotations
@@ -20,46 +25,68 @@ import numpy as np
 from jaxspec.checkpoint import default_dtype
 from jaxspec.config import preset
 from jaxspec.decode import NoDrafter, speculative_step
+from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.kv_cache import commit, init_cache
 from jaxspec.llama import init_params
 from jaxspec.sampling import Sampling
-from jaxspec.tree import TreeSpec
+from jaxspec.tree import TreeSpec, tree_preset
 
 
-def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype) -> dict:
-    params = init_params(cfg, jax.random.key(0), dtype)
-    cache = init_cache(cfg, 1, context + steps + 1)  # activations and cache: float32
+def step_ms(cfg, params, tree: TreeSpec, context: int, steps: int) -> float:
+    """Mean ms of one decode step with `tree` (the empty tree: an AR step), `context` tokens
+    already in the cache, steps dispatched back to back."""
+    drafter = NoDrafter() if tree.n_nodes == 1 else MedusaDrafter(cfg, n_heads=tree.max_depth)
+    drafter_params = None if tree.n_nodes == 1 else drafter.init(params)
+    # Activations and cache: float32. Room for every step to accept the whole depth.
+    cache = init_cache(cfg, 1, context + (steps + 4) * (tree.max_depth + 1))
     cache = cache.replace(lengths=jnp.array([context], jnp.int32))
     token, key = jnp.zeros((1,), jnp.int32), jax.random.key(0)
-    no_candidates = jnp.zeros((1, 0), jnp.int32)
-    static = dict(cfg=cfg, sampling=Sampling(), tree=TreeSpec(()), drafter=NoDrafter())
+    candidates = jnp.zeros((1, tree.n_nodes - 1), jnp.int32)
+    static = dict(cfg=cfg, sampling=Sampling(), tree=tree, drafter=drafter)
 
-    def run(n, cache, token):  # plain AR: the empty tree
+    def run(n, cache, token, candidates):
         for _ in range(n):
-            _, one, token, _, block, _ = speculative_step(
-                params, None, cache, token, no_candidates, key, None, **static
+            _, n_emitted, token, candidates, block, _ = speculative_step(
+                params, drafter_params, cache, token, candidates, key, None, **static
             )
-            cache = commit(cache, block, one)
+            cache = commit(cache, block, n_emitted)
         jax.block_until_ready(token)
-        return cache, token
+        return cache, token, candidates
 
-    cache, token = run(3, cache, token)  # compile and warm up
+    cache, token, candidates = run(3, cache, token, candidates)  # compile and warm up
     start = time.perf_counter()
-    run(steps, cache, token)
-    seconds = (time.perf_counter() - start) / steps
+    run(steps, cache, token, candidates)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype, trees=()) -> dict:
+    params = init_params(cfg, jax.random.key(0), dtype)
+    ms = step_ms(cfg, params, TreeSpec(()), context, steps)
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (context + steps / 2) * 4
     floor = (cfg.n_params * itemsize + kv_bytes) / (bandwidth_gbs * 1e9)
-    return {
+    result = {
         "model": cfg.name,
         "dtype": str(np.dtype(dtype)),
         "device": str(jax.devices()[0].device_kind),
         "context": context,
-        "ms_per_token": seconds * 1e3,
+        "ms_per_token": ms,
         "floor_ms_per_token": floor * 1e3,
-        "fraction_of_floor": floor / seconds,
-        "tokens_per_s": 1 / seconds,
+        "fraction_of_floor": floor * 1e3 / ms,
+        "tokens_per_s": 1e3 / ms,
     }
+    if trees:
+        result["verify"] = {}
+    for name in trees:
+        tree = tree_preset(name)
+        verify = step_ms(cfg, params, tree, context, steps)
+        result["verify"][name] = {
+            "nodes": tree.n_nodes,
+            "depth": tree.max_depth,
+            "ms_per_step": verify,
+            "over_ar_step": verify / ms,
+        }
+    return result
 
 
 def main(argv=None) -> None:
@@ -69,9 +96,11 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: by backend")
+    p.add_argument("--trees", nargs="*", default=[], help="tree presets to time verify steps of")
     args = p.parse_args(argv)
     dtype = jnp.dtype(args.dtype) if args.dtype else default_dtype()
-    result = measure(preset(args.preset), args.bandwidth_gbs, args.context, args.steps, dtype)
+    cfg = preset(args.preset)
+    result = measure(cfg, args.bandwidth_gbs, args.context, args.steps, dtype, args.trees)
     print(json.dumps(result, indent=2))
 
 

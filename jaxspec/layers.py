@@ -10,6 +10,10 @@ import numpy as np
 
 from jaxspec.config import LlamaConfig, RopeScaling
 
+# Every float32 product in true float32: GPUs would otherwise run them on TF32 tensor cores
+# (10-bit mantissas), and the model's greedy tokens would depend on how rows are batched.
+FLOAT32 = jax.lax.Precision.HIGHEST
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x [..., D] normalised in float32, returned in x's dtype."""
@@ -84,7 +88,7 @@ def dense(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
         y = jnp.einsum(spec, split_bfloat16(rows), w, preferred_element_type=jnp.float32)
         y = y[:n] + y[n : 2 * n] + y[2 * n :]  # [R,out]
     else:
-        y = jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32)
+        y = jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32, precision=FLOAT32)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -107,7 +111,9 @@ def attention(q, k_cache, v_cache, k_new, v_new, mask):
     q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     scores = jnp.concatenate(
         [
-            jnp.einsum("bkqh,bksh->bkqs", q, k, preferred_element_type=jnp.float32)
+            jnp.einsum(
+                "bkqh,bksh->bkqs", q, k, preferred_element_type=jnp.float32, precision=FLOAT32
+            )
             for k, _ in blocks
         ],
         axis=-1,
@@ -117,7 +123,9 @@ def attention(q, k_cache, v_cache, k_new, v_new, mask):
     out, start = 0.0, 0
     for _, v in blocks:
         part = probs[..., start : start + v.shape[2]]
-        out = out + jnp.einsum("bkqs,bksh->bkqh", part, v, preferred_element_type=jnp.float32)
+        out = out + jnp.einsum(
+            "bkqs,bksh->bkqh", part, v, preferred_element_type=jnp.float32, precision=FLOAT32
+        )
         start += v.shape[2]
     out = out.astype(v_new.dtype)
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)

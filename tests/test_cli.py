@@ -145,9 +145,12 @@ def test_bench_refuses_sampling_for_the_greedy_peer(tiny_ckpt, tmp_path, capsys)
 def test_roofline_reports_a_fraction(capsys):
     from infer.roofline import main as roofline_main
 
-    argv = ["--preset", "tiny-gqa", "--bandwidth-gbs", "10", "--steps", "4"]
+    argv = ["--preset", "tiny-gqa", "--bandwidth-gbs", "10", "--steps", "4",
+            "--trees", "chain-2", "cpu-8"]  # fmt: skip
     got = json.loads(run_ok(roofline_main, argv, capsys))
     assert got["model"] == "tiny-gqa" and got["fraction_of_floor"] > 0 and got["ms_per_token"] > 0
+    assert {name: v["nodes"] for name, v in got["verify"].items()} == {"chain-2": 3, "cpu-8": 8}
+    assert all(v["ms_per_step"] > 0 for v in got["verify"].values())
 
 
 def test_bench_compares_each_row_with_ar_in_its_own_dtype():

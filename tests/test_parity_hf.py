@@ -62,3 +62,21 @@ def test_hidden_states_match_hf(tiny_ckpt):
     _, ours = jax_logits(ckpt, tokens, collect=(0, 1))
     for i in (0, 1):  # embeddings and the output of layer 0 (HF's last entry is normed)
         np.testing.assert_allclose(ours[i], ref[i].numpy(), atol=1e-4, rtol=1e-4)
+
+
+def test_every_float32_product_asks_for_full_precision():
+    """GPUs run float32 dots on TF32 tensor cores unless told otherwise; the model's
+    float32 products must all ask for full precision (a no-op on CPU)."""
+    import jax
+
+    from jaxspec.config import preset
+    from jaxspec.llama import init_params
+
+    cfg = preset("tiny-gqa")
+    params = init_params(cfg, jax.random.key(0))
+    cache = init_cache(cfg, 1, 16)
+    tokens, positions = jnp.ones((1, 3), jnp.int32), jnp.arange(3)[None]
+    run = jax.jit(lambda p, c: forward(p, cfg, tokens, positions, c, causal_mask(1, 3))[0])
+    hlo = run.lower(params, cache).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line]
+    assert dots and all("HIGHEST" in line for line in dots), dots[:2]

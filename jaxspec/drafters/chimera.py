@@ -61,7 +61,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, DraftInputs
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, write_rows
-from jaxspec.layers import rms_norm, rope_tables
+from jaxspec.layers import dense, rms_norm, rope_tables
 from jaxspec.llama import decoder_layer, embed, final_norm, layer_kv, vocab_projection
 from jaxspec.tree import TreeSpec
 
@@ -102,8 +102,8 @@ def encode_trigrams(base_params, trigram: dict, tokens3: jax.Array) -> jax.Array
     """tokens3 [B,...,n] -> trigram (n-gram) states [B,...,D]."""
     e = embed(base_params, tokens3.reshape(tokens3.shape[0], -1))
     x = e.reshape(*tokens3.shape[:-1], -1).astype(jnp.float32)  # [B,...,nD]
-    x = x + jax.nn.silu(x @ trigram["res_w"] + trigram["res_b"])
-    return x @ trigram["w"] + trigram["b"]
+    x = x + jax.nn.silu(dense(x, trigram["res_w"]) + trigram["res_b"])
+    return dense(x, trigram["w"]) + trigram["b"]
 
 
 def lag_mask(n: int, lag: int) -> jax.Array:
@@ -180,11 +180,11 @@ class ChimeraDrafter(Drafter):
             x = jnp.concatenate([final_norm(base_params, self.cfg, h_real), x], -1)
         x = x.astype(jnp.float32)
         p = params["heads"][head - 1]
-        y = x @ p["w"] + p["b"]
+        y = dense(x, p["w"]) + p["b"]
         if self.full_heads:
             return y.astype(jnp.float32)  # already [...,V]
         if "vocab" in params:  # [V',D] rows of the lm_head: logits over the draft vocabulary
-            return jnp.einsum("...d,vd->...v", y, params["vocab"]["matrix"]).astype(jnp.float32)
+            return dense(y, params["vocab"]["matrix"], transposed=True)
         return vocab_projection(base_params, self.cfg, y)
 
     def prepare(self, params, drafter_params, settings):
