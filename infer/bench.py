@@ -88,7 +88,8 @@ def select(questions, limit, per_category):
 
 
 class Runner:
-    """One method (optionally METHOD@TREE or ppd@LAYER, then :DTYPE):
+    """One method (optionally METHOD@TREE, firp@TREE/N with chains on N nodes, or
+    ppd@LAYER, then :DTYPE):
     generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
 
     def __init__(self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=3):
@@ -105,9 +106,11 @@ class Runner:
                     ppd_layer=int(option) if option else None,
                 )  # fmt: skip
             else:
+                tree, _, chains = option.partition("/")
                 self.generator = build_generator(
-                    model, method, tree=option or None, sampling=sampling
-                )
+                    model, method, tree=tree or None, sampling=sampling,
+                    firp_chains=int(chains) if chains else None,
+                )  # fmt: skip
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":

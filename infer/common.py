@@ -119,6 +119,20 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
     return FirpDrafter(cfg, tuple(settings["layers"]))
 
 
+def place_firp_chains(drafter, tree: TreeSpec, settings: dict, n_chains: int | None):
+    """FIRP with pseudo chains on the n_chains nodes of `tree` likeliest to end a step (None:
+    the drafter's `chains` setting; 0 or absent: every node)."""
+    n_chains = settings.get("chains", 0) if n_chains is None else n_chains
+    if n_chains < 0:
+        raise JaxspecError(f"--firp-chains must be >= 0 (0 = every node), got {n_chains}")
+    if 0 < n_chains < tree.n_nodes and "test_topk_accuracy" not in settings:
+        raise JaxspecError(
+            "this FIRP drafter has no measured accuracies to place chains with; "
+            "retrain it or use --firp-chains 0 (every node)"
+        )
+    return drafter.with_chains(tree, settings.get("test_topk_accuracy"), n_chains)
+
+
 def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k, layer):
     """PPD with the shipped early-prediction head for `layer` when there is one (else the
     untrained early exit); layer None: the shipped default, else ceil(d/2)."""
@@ -146,6 +160,7 @@ def build_generator(
     max_len: int | None = None,
     ppd_k: int = 3,
     ppd_layer: int | None = None,
+    firp_chains: int | None = None,
 ) -> SpeculativeGenerator:
     check_method(method)
     if method == "ppd":
@@ -160,6 +175,8 @@ def build_generator(
     drafter = make_drafter(method, model.cfg, settings)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
     spec = resolve_tree(tree or default_tree(settings), settings)
+    if method == "firp":
+        drafter = place_firp_chains(drafter, spec, settings, firp_chains)
     return SpeculativeGenerator(
         model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len
     )

@@ -55,6 +55,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--ppd-k", type=int, default=3, help="ppd: sub-processes (needs k+1 devices)")
     p.add_argument("--ppd-layer", type=int, help="ppd: early-prediction layer (>= half the depth)")
+    p.add_argument(
+        "--firp-chains",
+        type=int,
+        help="firp: pseudo chains on the N tree nodes likeliest to end a step (0 = every "
+        "node; default: the drafter's setting)",
+    )
     p.add_argument("--dtype", choices=DTYPES, help="weight dtype (default: as stored, float32)")
     p.add_argument("--max-len", type=int, help="cache length limit (default: the model's context)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
@@ -77,7 +83,7 @@ def _main(argv) -> None:
     prompt_ids = [encode_prompt(model.tokenizer, p, chat=not args.no_chat) for p in prompts]
     generator = build_generator(
         model, args.method, args.drafter, args.tree, sampling, args.max_len, args.ppd_k,
-        args.ppd_layer,
+        args.ppd_layer, args.firp_chains,
     )  # fmt: skip
     if len(prompt_ids) > 1:
         results = generator.generate_batch(prompt_ids, args.max_new_tokens, args.seed)

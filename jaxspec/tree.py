@@ -137,6 +137,24 @@ def search_tree(accuracy: np.ndarray, n_nodes: int) -> TreeSpec:
     return TreeSpec.from_paths(chosen)
 
 
+def last_accepted_probability(tree: TreeSpec, topk_accuracy) -> np.ndarray:
+    """[T] probability that each node ends a step as the last accepted one, from measured
+    cumulative top-1..k accuracy per depth [depth, k] under search_tree's independence
+    assumption: a node is reached with the product of its path's per-rank accuracies, and
+    is the last one unless one of its children is reached too."""
+    cumulative = np.asarray(topk_accuracy, np.float64)
+    per_rank = np.diff(cumulative, axis=1, prepend=0.0).clip(0.0, 1.0)
+    reach = np.ones(tree.n_nodes)
+    for i in range(1, tree.n_nodes):  # parents come before their children
+        d, r = tree.depth[i] - 1, tree.rank[i]
+        known = d < per_rank.shape[0] and r < per_rank.shape[1]
+        reach[i] = reach[tree.parent[i]] * (per_rank[d, r] if known else 0.0)
+    last = reach.copy()
+    for i in range(1, tree.n_nodes):
+        last[tree.parent[i]] -= reach[i]
+    return last
+
+
 def searched_trees(topk_accuracy, sizes=(8, 16, 32, 64)) -> dict[str, list[list[int]]]:
     """Trees searched from measured cumulative top-1..k accuracy per head [depth, k]:
     {"searched-N": paths} for each size N (nodes, root included)."""

@@ -21,7 +21,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, init_params, run_layers
 from jaxspec.sampling import Sampling
-from jaxspec.tree import TreeSpec, tree_preset
+from jaxspec.tree import TreeSpec, last_accepted_probability, tree_preset
 from tests.conftest import tiny_training_args
 from tests.test_speculative import tiny
 
@@ -95,19 +95,61 @@ def deeper(name: str, n_layers: int = 5):
     return cfg, init_params(cfg, jax.random.key(0), scale=0.3)
 
 
+ACCURACY = [[0.5, 0.7, 0.8], [0.3, 0.45, 0.5], [0.2, 0.3, 0.35], [0.1, 0.15, 0.2]]
+
+
 @pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
-@pytest.mark.parametrize("tree_name", ["chain-2", "cpu-8", "cpu-16"])
-def test_greedy_firp_is_lossless(name, tree_name):
+@pytest.mark.parametrize(("tree_name", "n_chains"), [("chain-2", 0), ("cpu-8", 0), ("cpu-16", 0),
+                                                     ("cpu-8", 1), ("cpu-16", 4)])  # fmt: skip
+def test_greedy_firp_is_lossless(name, tree_name, n_chains):
     cfg, params = deeper(name)
     tree = tree_preset(tree_name)
     layers = (1, 2, 3, 5)  # deeper than some trees: only the steps a tree uses run
-    drafter = FirpDrafter(cfg, layers)
+    drafter = FirpDrafter(cfg, layers).with_chains(tree, ACCURACY, n_chains)
     prompt = [5, 6, 7, 8, 9]
     ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
     gen = SpeculativeGenerator(cfg, params, drafter, random_maps(cfg, len(layers)), tree)
     assert gen.generate(prompt, 40).token_ids == ar
     batch = gen.generate_batch([prompt, [3, 4]], 20)
     assert batch[0].token_ids == ar[:20]
+
+
+def test_last_accepted_probability_literal():
+    tree = TreeSpec.from_paths([(0,), (1,), (0, 0)])  # nodes: root, (0,), (1,), (0, 0)
+    # Per rank: depth 1 rank 0 / 1 right with 0.5 / 0.2; depth 2 rank 0 with 0.4.
+    got = last_accepted_probability(tree, [[0.5, 0.7], [0.4, 0.6]])
+    # Reached: 1, 0.5, 0.2, 0.5 * 0.4; last: minus what a child reaches.
+    np.testing.assert_allclose(got, [1 - 0.5 - 0.2, 0.5 - 0.2, 0.2, 0.2])
+    drafter = FirpDrafter(tiny()[0], (1, 2)).with_chains(tree, [[0.5, 0.7], [0.4, 0.6]], 2)
+    assert drafter.chain_nodes == (0, 1)  # the root, then the likeliest: (0,) over (1,)
+    slot, shift = drafter.chain_sources()
+    np.testing.assert_array_equal(slot, [0, 1, 0, 1])  # (1,) borrows the root's chain
+    np.testing.assert_array_equal(shift, [0, 0, 1, 1])
+
+
+def test_unchained_nodes_draft_from_their_ancestor_shifted_chain():
+    cfg, params = deeper("tiny-gqa")
+    tree = tree_preset("cpu-16")
+    full = FirpDrafter(cfg, (1, 2, 3, 5))
+    sparse = full.with_chains(tree, ACCURACY, 5)
+    assert len(sparse.chain_nodes) == 5 and sparse.chain_nodes[0] == 0
+    dparams = random_maps(cfg, 4)
+    T, K = tree.n_nodes, tree.max_depth
+    tokens = jax.random.randint(jax.random.key(2), (1, T), 0, cfg.vocab_size)
+    positions = jnp.asarray(tree.depth)[None]
+    args = (cfg, embed(params, tokens), positions, None, jnp.asarray(tree.mask)[None],
+            jnp.arange(T)[None], (), K)  # fmt: skip
+    h_full, _, _, chains = full.run_model(params, dparams, *args)
+    h_sparse, _, _, drafted = sparse.run_model(params, dparams, *args)
+    np.testing.assert_allclose(h_sparse, h_full, rtol=1e-4, atol=1e-4)
+    assert drafted.shape == chains.shape == (1, T, K, cfg.dim)
+    slot, shift = sparse.chain_sources()
+    for node in range(T):
+        source = sparse.chain_nodes[slot[node]]
+        steps = np.minimum(np.arange(K) + shift[node], K - 1)
+        np.testing.assert_allclose(drafted[0, node], chains[0, source, steps], rtol=1e-4, atol=1e-4)
+    with pytest.raises(JaxspecError, match="placed for another tree"):
+        sparse.check_tree(tree_preset("cpu-8"))
 
 
 def test_identity_maps_draft_the_anchor_own_prediction_plus_context():

@@ -309,7 +309,11 @@ def train(argv) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps({**report, "variant": args.variant}, indent=2))
     if args.variant == "firp":
-        settings = {"layers": list(layers), "trees": trees}
+        settings = {
+            "layers": list(layers),
+            "trees": trees,
+            "test_topk_accuracy": report["test_topk_accuracy"],
+        }
         save_drafter(out, "firp", settings, {"maps": maps}, cfg, card(args, cfg, report))
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")

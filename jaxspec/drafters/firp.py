@@ -12,6 +12,14 @@ tokens never see pseudo ones, so the logits being verified are exactly the model
 Cost of a verify step with T tree nodes and K steps: T*K extra tokens, step i's only in
 layers t_i..L (sum_i T*(L - t_i)/L token-equivalents of layer work), and K vocabulary
 projections: only the accepted node's chain reaches the lm_head.
+
+Chains on fewer nodes (`with_chains`): a step's last accepted node is most often the root
+or a node on the likeliest paths, so chains may hang off only the A nodes likeliest to
+end a step (from the drafter's measured accuracies), for A*K extra tokens. Any other node
+drafts from its nearest chained ancestor's chain shifted by their depth difference:
+step j + shift of that chain sits at the node's position + j, though it did not see the
+accepted tokens in between (like the "masked" ablation); steps past the chain's end
+repeat its last one. Drafts only decide what is verified, so outputs stay exact.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
+from jaxspec.layers import dense
 from jaxspec.llama import embed, final_norm, lm_logits, run_layers
-from jaxspec.tree import TreeSpec
+from jaxspec.tree import TreeSpec, last_accepted_probability
 
 
 def chain_mask(n_anchors: int, n_steps: int, chained: bool = True) -> np.ndarray:
@@ -60,13 +69,16 @@ def pseudo_positions(positions: jax.Array, anchors: jax.Array, n_steps: int) -> 
 
 
 def apply_map(layer_map: dict, h: jax.Array) -> jax.Array:
-    return (h.astype(jnp.float32) @ layer_map["w"] + layer_map["b"]).astype(h.dtype)
+    return (dense(h.astype(jnp.float32), layer_map["w"]) + layer_map["b"]).astype(h.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class FirpDrafter(Drafter):
     cfg: LlamaConfig  # the base model's
     layers: tuple[int, ...]  # t_1 < ... < t_K: step i maps the state after t_i layers
+    # Verify steps over chain_tree carry chains on chain_nodes only (empty: every node).
+    chain_tree: TreeSpec | None = None
+    chain_nodes: tuple[int, ...] = ()
 
     def __post_init__(self):
         layers = tuple(self.layers)
@@ -86,7 +98,32 @@ class FirpDrafter(Drafter):
         D = self.cfg.dim
         return {"maps": [{"w": jnp.eye(D), "b": jnp.zeros((D,))} for _ in self.layers]}
 
+    def with_chains(self, tree: TreeSpec, topk_accuracy, n_chains: int) -> FirpDrafter:
+        """This drafter for `tree` with chains on the n_chains nodes likeliest to end a
+        step as the last accepted one (the root always among them), from the measured
+        cumulative top-k accuracy per step [K, k]; 0 or >= the tree's size: every node."""
+        if n_chains <= 0 or n_chains >= tree.n_nodes:
+            return self
+        likely = last_accepted_probability(tree, topk_accuracy)
+        likely[0] = np.inf
+        nodes = np.sort(np.argsort(-likely, kind="stable")[:n_chains])
+        return dataclasses.replace(self, chain_tree=tree, chain_nodes=tuple(map(int, nodes)))
+
+    def chain_sources(self) -> tuple[np.ndarray, np.ndarray]:
+        """For every node of chain_tree: the slot in chain_nodes of its nearest chained
+        ancestor (itself when chained) [T], and their depth difference [T]."""
+        tree, slot_of = self.chain_tree, {n: s for s, n in enumerate(self.chain_nodes)}
+        slot, shift = np.zeros((2, tree.n_nodes), np.int32)
+        for i in range(tree.n_nodes):
+            j = i
+            while j not in slot_of:
+                j = int(tree.parent[j])
+            slot[i], shift[i] = slot_of[j], tree.depth[i] - tree.depth[j]
+        return slot, shift
+
     def check_tree(self, tree: TreeSpec) -> None:
+        if self.chain_tree is not None and tree != self.chain_tree:
+            raise JaxspecError("this FIRP drafter's chains were placed for another tree")
         if tree.max_depth > self.n_steps:
             raise JaxspecError(
                 f"tree depth {tree.max_depth} exceeds the drafter's {self.n_steps} FIRP steps; "
@@ -98,8 +135,13 @@ class FirpDrafter(Drafter):
     ):
         """The forward with pseudo chains joining at layers t_i -> (real last states
         [B,T,D], the real tokens' KVBlock, collected real states, pseudo last states
-        [B,A,K,D]). Only the K = min(steps, depth) steps the tree uses are computed."""
+        [B,A,K,D]). Only the K = min(steps, depth) steps the tree uses are computed. In a
+        verify step with chains on some nodes only, the others get their source's shifted
+        chain (A = T)."""
         B, T, D = h.shape
+        sparse = bool(self.chain_nodes) and anchors.shape[1] == self.chain_tree.n_nodes
+        if sparse:
+            anchors = anchors[:, np.asarray(self.chain_nodes)]
         A, K = anchors.shape[1], min(self.n_steps, depth)
         mask = joint_mask(new_mask, anchors, K)
         pos = jnp.concatenate([positions, pseudo_positions(positions, anchors, K)], axis=1)
@@ -118,6 +160,10 @@ class FirpDrafter(Drafter):
                 at_anchor = jnp.take_along_axis(h[:, :T], anchors[:, :, None], axis=1)  # [B,A,D]
                 h = jnp.concatenate([h, apply_map(drafter_params["maps"][s], at_anchor)], 1)
         pseudo = h[:, T:].reshape(B, K, A, D).transpose(0, 2, 1, 3)
+        if sparse:
+            slot, shift = self.chain_sources()
+            step = np.minimum(shift[:, None] + np.arange(K), K - 1)  # [T,K]
+            pseudo = pseudo[:, slot[:, None], step]  # [B,T,K,D]
         return h[:, :T], KVBlock(tuple(keys), tuple(values)), states, pseudo
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
