@@ -254,3 +254,17 @@ def test_projecting_drafts_with_the_verify_rows_changes_nothing(tree_name):
     ]
     for fused, separate in zip(outs[0][:4], outs[1][:4], strict=True):
         np.testing.assert_array_equal(fused, separate)
+
+
+def test_chain_placement_options():
+    from infer.common import place_firp_chains
+
+    drafter, tree = FirpDrafter(tiny()[0], (1, 2)), tree_preset("cpu-8")
+    assert place_firp_chains(drafter, tree, {}, None) is drafter  # default: every node
+    with pytest.raises(JaxspecError, match="no measured accuracies"):
+        place_firp_chains(drafter, tree, {}, 3)
+    with pytest.raises(JaxspecError, match="must be >= 0"):
+        place_firp_chains(drafter, tree, {}, -1)
+    settings = {"chains": 3, "test_topk_accuracy": ACCURACY}
+    assert len(place_firp_chains(drafter, tree, settings, None).chain_nodes) == 3
+    assert place_firp_chains(drafter, tree, settings, 0) is drafter
