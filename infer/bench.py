@@ -44,8 +44,8 @@ def parse_args(argv=None):
         "--methods",
         default="ar",
         help=f"comma list of {', '.join(METHODS + PEERS)}; METHOD@TREE picks a tree "
-        "(e.g. medusa@searched-16,firp@searched-16: the same node budget), ppd@LAYER the "
-        "early-prediction layer",
+        "(e.g. medusa@searched-16,firp@searched-16: the same node budget), firp@TREE/N "
+        "FIRP's chains on N nodes, ppd@LAYER the early-prediction layer",
     )
     p.add_argument(
         "--questions",
