@@ -194,7 +194,7 @@ def trained_firp(tiny_ckpt, tmp_path_factory):
 def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     import json
 
-    from infer.common import load_model, make_drafter
+    from infer.common import load_model, make_drafter, place_firp_chains
     from jaxspec.drafters.store import load_drafter
 
     out, first, second, ckpt = trained_firp
@@ -210,6 +210,13 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     prompt = [5, 9, 11, 30, 7]
     ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
     spec = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, tree_preset("chain-2"))
+    assert spec.generate(prompt, 24).token_ids == ar
+    # Its measured accuracies place chains on the likeliest nodes of its own trees.
+    assert settings["test_topk_accuracy"] == second["test_topk_accuracy"]
+    tree = TreeSpec.from_paths(settings["trees"]["searched-8"])
+    sparse = place_firp_chains(drafter, tree, settings, 3)
+    assert len(sparse.chain_nodes) == 3
+    spec = SpeculativeGenerator(model.cfg, model.params, sparse, dparams, tree)
     assert spec.generate(prompt, 24).token_ids == ar
 
 
