@@ -87,6 +87,18 @@ def select(questions, limit, per_category):
     return questions[:limit] if limit else questions
 
 
+def parse_row(name: str) -> tuple[str, str, int | None, str]:
+    """METHOD[@OPTION[/N]][:DTYPE] -> (method, option, FIRP's chained nodes N or None, dtype)."""
+    spec, _, dtype = name.partition(":")
+    method, _, option = spec.partition("@")
+    option, slash, chains = option.partition("/")
+    if slash and (method != "firp" or not chains.isdigit()):
+        raise JaxspecError(
+            f"{name}: /N (FIRP's pseudo chains on N nodes, N >= 0) applies to firp rows only"
+        )
+    return method, option, int(chains) if slash else None, dtype
+
+
 class Runner:
     """One method (optionally METHOD@TREE, firp@TREE/N with chains on N nodes, or
     ppd@LAYER, then :DTYPE):
@@ -99,18 +111,16 @@ class Runner:
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
-            method, _, option = name.partition(":")[0].partition("@")
+            method, option, chains, _ = parse_row(name)
             if method == "ppd":  # ppd@LAYER picks the early-prediction layer
                 self.generator = build_generator(
                     model, method, sampling=sampling, ppd_k=ppd_k,
                     ppd_layer=int(option) if option else None,
                 )  # fmt: skip
             else:
-                tree, _, chains = option.partition("/")
                 self.generator = build_generator(
-                    model, method, tree=tree or None, sampling=sampling,
-                    firp_chains=int(chains) if chains else None,
-                )  # fmt: skip
+                    model, method, tree=option or None, sampling=sampling, firp_chains=chains
+                )
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":
@@ -207,8 +217,8 @@ def _main(argv) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in PEERS:
-            check_method(m.partition(":")[0].partition("@")[0])
-            dtype = m.partition(":")[2]
+            method, _, _, dtype = parse_row(m)
+            check_method(method)
             if dtype and dtype not in DTYPES:
                 raise JaxspecError(f"{m}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]

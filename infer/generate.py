@@ -17,6 +17,7 @@ from infer.common import (
     provide_devices,
 )
 from jaxspec.cli import run_main
+from jaxspec.errors import JaxspecError
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
 
@@ -75,6 +76,8 @@ def main(argv=None) -> None:
 def _main(argv) -> None:
     args = parse_args(argv)
     check_method(args.method)
+    if args.firp_chains is not None and args.method != "firp":
+        raise JaxspecError("--firp-chains applies to --method firp only")
     if args.method == "ppd":
         provide_devices(args.ppd_k + 1)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)

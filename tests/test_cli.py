@@ -50,6 +50,8 @@ def test_generate_ppd_equals_ar(tiny_ckpt, capsys):
     assert "needs 5 devices, 4 found" in err
     err = one_line_error(generate_main, ["--method", "ppd", "--temperature", "1", *argv], capsys)
     assert "ppd decodes greedily" in err
+    err = one_line_error(generate_main, ["--firp-chains", "4", *argv], capsys)
+    assert "--firp-chains applies to --method firp only" in err
 
 
 def test_generate_batch_json_lines(tiny_ckpt, capsys):
@@ -119,6 +121,9 @@ def test_bench_bad_questions(tmp_path, capsys):
     assert "no question file" in err
     argv = ["--methods", "ar,ar:float16", "--questions", str(tmp_path / "q.jsonl")]
     assert "ar:float16: unknown dtype 'float16'" in one_line_error(bench_main, argv, capsys)
+    for row in ("medusa@searched-16/4", "firp@searched-16/x"):
+        argv = ["--methods", row, "--questions", str(tmp_path / "q.jsonl")]
+        assert f"{row}: /N (FIRP's pseudo chains" in one_line_error(bench_main, argv, capsys)
 
 
 def test_train_names_what_exists(capsys):
