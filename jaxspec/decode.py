@@ -425,7 +425,8 @@ class SpeculativeGenerator:
                 emitted, n, current, candidates, block, state = run_step(
                     self.params, dp, cache, current, candidates, key, state
                 )
-                n = _only_active(n, ~done)  # rows known to be finished stop advancing
+                if done.any():  # rows known to be finished stop advancing
+                    n = _only_active(n, ~done)
                 cache = commit_path(cache, block, n)
                 launched = (emitted, n)
             if in_flight is not None:

@@ -137,13 +137,19 @@ def search_tree(accuracy: np.ndarray, n_nodes: int) -> TreeSpec:
     return TreeSpec.from_paths(chosen)
 
 
+def per_rank_accuracy(topk_accuracy) -> np.ndarray:
+    """Cumulative top-1..k accuracy per depth [depth, k] -> the probability that the rank-r
+    guess itself is right [depth, k]."""
+    cumulative = np.asarray(topk_accuracy, np.float64)
+    return np.diff(cumulative, axis=1, prepend=0.0).clip(0.0, 1.0)
+
+
 def last_accepted_probability(tree: TreeSpec, topk_accuracy) -> np.ndarray:
     """[T] probability that each node ends a step as the last accepted one, from measured
     cumulative top-1..k accuracy per depth [depth, k] under search_tree's independence
     assumption: a node is reached with the product of its path's per-rank accuracies, and
     is the last one unless one of its children is reached too."""
-    cumulative = np.asarray(topk_accuracy, np.float64)
-    per_rank = np.diff(cumulative, axis=1, prepend=0.0).clip(0.0, 1.0)
+    per_rank = per_rank_accuracy(topk_accuracy)
     reach = np.ones(tree.n_nodes)
     for i in range(1, tree.n_nodes):  # parents come before their children
         d, r = tree.depth[i] - 1, tree.rank[i]
@@ -158,8 +164,7 @@ def last_accepted_probability(tree: TreeSpec, topk_accuracy) -> np.ndarray:
 def searched_trees(topk_accuracy, sizes=(8, 16, 32, 64)) -> dict[str, list[list[int]]]:
     """Trees searched from measured cumulative top-1..k accuracy per head [depth, k]:
     {"searched-N": paths} for each size N (nodes, root included)."""
-    cumulative = np.asarray(topk_accuracy, np.float64)
-    per_rank = np.diff(cumulative, axis=1, prepend=0.0).clip(0.0, 1.0)
+    per_rank = per_rank_accuracy(topk_accuracy)
     return {f"searched-{n}": [list(p) for p in search_tree(per_rank, n).paths] for n in sizes}
 
 
