@@ -255,7 +255,22 @@ def part_trees(args, model) -> dict:
             tokens, steps = sum(r.new_tokens for r in runs), sum(r.steps for r in runs)
             result.setdefault(method, {})[tree] = round(tokens / steps, 3)
             print(method, tree, result[method][tree], flush=True)
+    plot_trees(result, args.out / "trees.png")
     return result
+
+
+def plot_trees(result: dict, path) -> None:
+    """result[method]["searched-N"]: tokens per step -> tokens per step vs N, per method."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for method, by_tree in result.items():
+        nodes = [int(name.split("-")[1]) for name in by_tree]
+        ax.plot(nodes, list(by_tree.values()), marker="o", label=method)
+    ax.set(xlabel="tree nodes", ylabel="tokens per step", title="Table 3", xticks=[16, 32, 64])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 PARTS = {
