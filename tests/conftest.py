@@ -103,6 +103,17 @@ def tiny_training_args(ckpt: Path, tmp: Path, **overrides) -> list[str]:
     return [arg for k, v in options.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
 
 
+def train_on_made_up_conversations(trainer, *runs: list[str]) -> list[dict]:
+    """trainer.train(args) for each args in turn, ShareGPT replaced by the tests' made-up
+    conversations -> their reports."""
+    import train.features as features
+    from tests.test_medusa import conversations
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
+        return [trainer.train(args) for args in runs]
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop every module's compiled programs when it ends: XLA:CPU maps memory for each

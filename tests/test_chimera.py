@@ -19,7 +19,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, run_layers
 from jaxspec.tree import TreeSpec, tree_preset
-from tests.conftest import tiny_training_args
+from tests.conftest import tiny_training_args, train_on_made_up_conversations
 from tests.test_speculative import tiny
 
 
@@ -169,16 +169,13 @@ def test_too_deep_a_tree_is_a_clear_error():
 def trained_chimera(tiny_ckpt, tmp_path_factory):
     """Train 6 steps, 'interrupt', resume to 10: (drafter dir, reports, checkpoint)."""
     import train.chimera as chimera
-    import train.features as features
-    from tests.test_medusa import conversations
 
     tmp = tmp_path_factory.mktemp("chimera")
     common = [*tiny_training_args(tiny_ckpt[0], tmp, save_every=3),
               "--rows", "8", "--heads", "3", "--distill", "0.1"]  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
-        first = chimera.train([*common, "--steps", "6"])
-        second = chimera.train([*common, "--steps", "10"])
+    first, second = train_on_made_up_conversations(
+        chimera, [*common, "--steps", "6"], [*common, "--steps", "10"]
+    )
     return tmp / "out", first, second, tiny_ckpt[0]
 
 
@@ -391,15 +388,11 @@ def test_a_transformer_bottom_trains_but_its_drafter_is_refused(tiny_ckpt, tmp_p
     import json
 
     import train.chimera as chimera
-    import train.features as features
     from infer.common import build_generator, load_model
-    from tests.test_medusa import conversations
 
     args = [*tiny_training_args(tiny_ckpt[0], tmp_path), "--rows", "8", "--heads", "2",
             "--steps", "2", "--bottom", "transformer"]  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
-        report = chimera.train(args)
+    (report,) = train_on_made_up_conversations(chimera, args)
     assert np.array(report["test_topk_accuracy"]).shape == (2, 5)
     settings = json.loads((tmp_path / "out" / "drafter.json").read_text())["settings"]
     assert settings["bottom"] == "transformer" and "cache_prefill" not in settings

@@ -13,7 +13,7 @@ from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import init_params
 from jaxspec.ppd import PpdGenerator, check_settings
-from tests.conftest import tiny_training_args
+from tests.conftest import tiny_training_args, train_on_made_up_conversations
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (virtual) devices")
 
@@ -61,17 +61,14 @@ def test_bad_settings_are_clear_errors(k, layer, devices, message):
 
 
 def test_ppd_training_resumes_and_ships_heads(tiny_ckpt, tmp_path):
-    import train.features as features
     import train.ppd as ppd
     from infer.common import build_generator, load_model
-    from tests.test_medusa import conversations
 
     common = [*tiny_training_args(tiny_ckpt[0], tmp_path, train_seqs=6, test_seqs=3,
                                   new_tokens=16), "--layers", "1,2", "--rows", "8"]  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
-        first = ppd.train([*common, "--steps", "2"])
-        second = ppd.train([*common, "--steps", "4"])
+    first, second = train_on_made_up_conversations(
+        ppd, [*common, "--steps", "2"], [*common, "--steps", "4"]
+    )
     assert first["steps"] == 2 and second["steps"] == 4
     assert first["final_loss"] != second["final_loss"]
     rates = second["p_correct"]["layer1"]

@@ -14,7 +14,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import embed, forward, run_layers
 from jaxspec.tree import TreeSpec, tree_preset
-from tests.conftest import tiny_training_args
+from tests.conftest import tiny_training_args, train_on_made_up_conversations
 from tests.test_speculative import tiny
 from train.sdsat import span_layout, span_logits
 
@@ -119,17 +119,14 @@ def test_a_tree_without_depth_is_refused():
 @pytest.fixture(scope="module")
 def trained_sdsat(tiny_ckpt, tmp_path_factory):
     """Train 4 steps, 'interrupt', resume to 7: (drafter dir, reports, checkpoint)."""
-    import train.features as features
     import train.sdsat as sdsat
-    from tests.test_medusa import conversations
 
     tmp = tmp_path_factory.mktemp("sdsat")
     common = [*tiny_training_args(tiny_ckpt[0], tmp), "--spans", "4", "--window", "3",
               "--rank", "2", "--ids", "2", "--cpu-tree", "chain-3"]  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
-        first = sdsat.train([*common, "--steps", "4"])
-        second = sdsat.train([*common, "--steps", "7"])
+    first, second = train_on_made_up_conversations(
+        sdsat, [*common, "--steps", "4"], [*common, "--steps", "7"]
+    )
     return tmp / "out", first, second, tiny_ckpt[0]
 
 
@@ -203,19 +200,15 @@ def test_inplace_spans_stay_inside_the_answer_and_count_offsets():
 def test_full_fine_tuning_extends_the_vocabulary_and_decodes_losslessly(tiny_ckpt, tmp_path):
     """Mode (a): the checkpoint gains the adaptive ids (its rows are the drafter's), and
     two-step decoding with the fine-tuned model equals that model's own AR."""
-    import train.features as features
     import train.sdsat as sdsat
     from infer.common import build_generator, load_model
-    from tests.test_medusa import conversations
 
     args = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp_path / "work"),
             "--out", str(tmp_path / "full"), "--mode", "full", "--train-seqs", "6",
             "--test-seqs", "3", "--prompt-len", "40", "--new-tokens", "16", "--batch", "2",
             "--window", "3", "--ids", "2", "--steps", "3", "--lr", "0.01",
             "--mask-rate", "0.3", "--cpu-tree", "chain-3"]  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(features, "sharegpt_split", lambda split: conversations(seed=len(split)))
-        report = sdsat.train(args)
+    (report,) = train_on_made_up_conversations(sdsat, args)
     assert report["steps"] == 3 and report["final_adaptive_loss"] > 0
     base, tuned = load_model(tiny_ckpt[0]), load_model(tmp_path / "full")
     assert tuned.cfg.vocab_size == base.cfg.vocab_size + 2

@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 # Flags added after runs were made, with their defaults: hashed only when set otherwise, so
@@ -52,6 +53,16 @@ def resume(work: Path, args, state):
         manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state)),
         True,
     )
+
+
+def resume_training(work: Path, args, params, optimizer):
+    """-> (manager, {"params", "opt_state", "step"}): a fresh state for `params`, or the
+    run's latest saved one (said on the console)."""
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
+    manager, state, resumed = resume(work, args, state)
+    if resumed:
+        print(f"resumed from step {int(state['step'])}")
+    return manager, state
 
 
 def save(manager, step: int, state, last: bool) -> None:

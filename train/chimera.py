@@ -39,7 +39,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
 from train.args import trainer_parser
-from train.checkpoints import command_flags, resume, run_record, save
+from train.checkpoints import command_flags, resume_training, run_record, save
 from train.features import answer_features
 from train.optim import apply_grads
 
@@ -208,10 +208,7 @@ def train(argv) -> dict:
     )  # fmt: skip
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
     params = drafter.init(model.params)
-    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    manager, state, resumed = resume(work, args, state)
-    if resumed:
-        print(f"resumed from step {int(state['step'])}")
+    manager, state = resume_training(work, args, params, optimizer)
     weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
     first_step = int(state["step"])
     bar = tqdm(range(first_step, args.steps), desc="train chimera", unit="step")

@@ -35,7 +35,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
 from train.args import trainer_parser
-from train.checkpoints import command_flags, resume, save
+from train.checkpoints import command_flags, resume_training, save
 from train.features import answer_features, extract
 from train.optim import apply_grads
 
@@ -136,10 +136,7 @@ def train(argv) -> dict:
     drafter = MedusaDrafter(cfg, args.heads)
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
     params = drafter.init(model.params)
-    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    manager, state, resumed = resume(work, args, state)
-    if resumed:
-        print(f"resumed from step {int(state['step'])}")
+    manager, state = resume_training(work, args, params, optimizer)
     weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(pairs))

@@ -29,7 +29,7 @@ from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.ppd import early_logits, head_name
 from train.args import trainer_parser
-from train.checkpoints import command_flags, resume, run_record, save
+from train.checkpoints import command_flags, resume_training, run_record, save
 from train.features import self_answers
 from train.optim import apply_grads
 
@@ -137,10 +137,7 @@ def train(argv) -> dict:
     D = cfg.dim
     heads = {head_name(layer): {"w": jnp.zeros((D, D)), "b": jnp.zeros((D,))} for layer in layers}
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
-    state = {"params": heads, "opt_state": optimizer.init(heads), "step": jnp.int32(0)}
-    manager, state, resumed = resume(work, args, state)
-    if resumed:
-        print(f"resumed from step {int(state['step'])}")
+    manager, state = resume_training(work, args, heads, optimizer)
     first_step = int(state["step"])
     losses = {}
     for step in (bar := tqdm(range(first_step, args.steps), desc="train ppd", unit="step")):

@@ -39,7 +39,7 @@ from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
 from jaxspec.tree import searched_trees
 from train.args import trainer_parser
-from train.checkpoints import command_flags, resume, run_record, save
+from train.checkpoints import command_flags, resume_training, run_record, save
 from train.features import self_answers
 from train.optim import apply_grads, paper_schedule_adamw
 from train.sdsat_full import train_full
@@ -211,10 +211,7 @@ def train(argv) -> dict:
     drafter = SdsatDrafter(cfg, args.rank, args.ids)
     optimizer = paper_schedule_adamw(args.lr, args.steps)
     params = drafter.init(model.params, jax.random.key(args.seed))
-    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    manager, state, resumed = resume(work, args, state)
-    if resumed:
-        print(f"resumed from step {int(state['step'])}")
+    manager, state = resume_training(work, args, params, optimizer)
     first_step = int(state["step"])
     loss, per_depth = jnp.float32(0), jnp.zeros(args.window)
     bar = tqdm(range(first_step, args.steps), desc="train sdsat", unit="step")

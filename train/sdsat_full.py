@@ -26,7 +26,7 @@ from jaxspec.drafters.sdsat import SdsatDrafter, extend_vocabulary
 from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import forward
-from train.checkpoints import resume, run_record, save
+from train.checkpoints import resume_training, run_record, save
 from train.optim import apply_grads, paper_schedule_adamw
 
 
@@ -79,10 +79,7 @@ def train_full(args, model, train_data, work: Path, out: Path, evaluate) -> dict
     rows = base.init(model.params, jax.random.key(args.seed))["embed"]
     cfg, params = extend_vocabulary(model.cfg, model.params, rows)
     optimizer = paper_schedule_adamw(args.lr, args.steps)
-    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    manager, state, resumed = resume(work, args, state)
-    if resumed:
-        print(f"resumed from step {int(state['step'])}")
+    manager, state = resume_training(work, args, params, optimizer)
     first_step = int(state["step"])
     S = train_data["tokens"].shape[1]
     losses = (0.0, 0.0, 0.0)
