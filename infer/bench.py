@@ -92,6 +92,8 @@ def parse_row(name: str) -> tuple[str, str, int | None, str]:
     spec, _, dtype = name.partition(":")
     method, _, option = spec.partition("@")
     option, slash, chains = option.partition("/")
+    if method == "ar" and option:
+        raise JaxspecError(f"{name}: ar decodes without a draft tree; drop @{option}")
     if slash and (method != "firp" or not chains.isdigit()):
         raise JaxspecError(
             f"{name}: /N (FIRP's pseudo chains on N nodes, N >= 0) applies to firp rows only"

@@ -88,9 +88,16 @@ def default_tree(settings: dict) -> str:
 
 
 def resolve_tree(name: str, settings: dict) -> TreeSpec:
-    if name in settings.get("trees", {}):
-        return TreeSpec.from_paths(settings["trees"][name])
-    return tree_preset(name)
+    """A tree the drafter ships (its settings["trees"]) or a preset."""
+    own = settings.get("trees", {})
+    if name in own:
+        return TreeSpec.from_paths(own[name])
+    try:
+        return tree_preset(name)
+    except JaxspecError as e:
+        if not own:
+            raise
+        raise JaxspecError(f"{e}; this drafter's own: {', '.join(own)}") from None
 
 
 def make_drafter(method: str, cfg: LlamaConfig, settings: dict):

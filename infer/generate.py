@@ -75,9 +75,7 @@ def main(argv=None) -> None:
 
 def _main(argv) -> None:
     args = parse_args(argv)
-    check_method(args.method)
-    if args.firp_chains is not None and args.method != "firp":
-        raise JaxspecError("--firp-chains applies to --method firp only")
+    check_options(args)
     if args.method == "ppd":
         provide_devices(args.ppd_k + 1)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)
@@ -117,6 +115,19 @@ def _main(argv) -> None:
     else:
         print()
         report(args.method, result)
+
+
+def check_options(args) -> None:
+    """Options that the chosen method would silently ignore are errors."""
+    check_method(args.method)
+    if args.tree is not None and args.method in ("ar", "ppd"):
+        raise JaxspecError(f"--tree picks a draft tree; --method {args.method} has none")
+    if args.drafter is not None and args.method == "ar":
+        raise JaxspecError("--drafter applies to speculative methods; --method ar has none")
+    if args.firp_chains is not None and args.method != "firp":
+        raise JaxspecError("--firp-chains applies to --method firp only")
+    if args.ppd_layer is not None and args.method != "ppd":
+        raise JaxspecError("--ppd-layer applies to --method ppd only")
 
 
 def summarize(method: str, tokenizer, result) -> dict:

@@ -9,9 +9,11 @@ import pytest
 
 from infer.bench import main as bench_main
 from infer.bench import match_reference
+from infer.common import resolve_tree
 from infer.generate import main as generate_main
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.errors import JaxspecError
 from jaxspec.text import encode_prompt
 from tests.conftest import one_line_error, tiny_tokenizer
 from train.cli import main as train_main
@@ -79,11 +81,24 @@ def test_generate_streams_text(tiny_ckpt, capsys):
         (["--max-len", "16", "w5 " * 20], "exceeds the cache of 16 positions"),
         (["   "], "empty prompt"),
         (["--top-p", "0", "w5"], "--top-p must be in (0, 1]"),
+        (["--tree", "chain-2", "w5"], "--tree picks a draft tree; --method ar has none"),
+        (["--method", "ppd", "--tree", "chain-2", "w5"], "--method ppd has none"),
+        (["--drafter", "d", "w5"], "--drafter applies to speculative methods"),
+        (["--ppd-layer", "2", "w5"], "--ppd-layer applies to --method ppd only"),
     ],
 )
 def test_generate_bad_input(tiny_ckpt, capsys, argv, message):
     err = one_line_error(generate_main, ["--model", str(tiny_ckpt[0]), *argv], capsys)
     assert message in err
+
+
+def test_unknown_tree_names_the_drafters_own():
+    settings = {"trees": {"searched-8": [[0], [1]], "searched-16": [[0]]}}
+    assert resolve_tree("searched-8", settings).n_nodes == 3
+    with pytest.raises(JaxspecError, match="drafter's own: searched-8, searched-16"):
+        resolve_tree("searched-99", settings)
+    with pytest.raises(JaxspecError, match="unknown tree 'searched-99'; known: [^;]*$"):
+        resolve_tree("searched-99", {})
 
 
 def test_generate_missing_model(tmp_path, capsys):
@@ -124,6 +139,8 @@ def test_bench_bad_questions(tmp_path, capsys):
     for row in ("medusa@searched-16/4", "firp@searched-16/x"):
         argv = ["--methods", row, "--questions", str(tmp_path / "q.jsonl")]
         assert f"{row}: /N (FIRP's pseudo chains" in one_line_error(bench_main, argv, capsys)
+    argv = ["--methods", "ar,ar@chain-2", "--questions", str(tmp_path / "q.jsonl")]
+    assert "ar@chain-2: ar decodes without a draft tree" in one_line_error(bench_main, argv, capsys)
 
 
 def test_train_names_what_exists(capsys):
