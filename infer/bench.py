@@ -56,6 +56,13 @@ def parse_args(argv=None):
     p.add_argument("--per-category", type=int, help="use the first N questions of each category")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--model", type=Path)
+    p.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="METHOD=DIR",
+        help="METHOD's rows use the drafter in DIR instead of the shipped one (repeatable)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_results.json"))
     p.add_argument(
         "--single-turn", action="store_true", help="only the first turn of each question"
@@ -87,6 +94,21 @@ def select(questions, limit, per_category):
     return questions[:limit] if limit else questions
 
 
+def parse_drafters(items: list[str], methods: list[str]) -> dict[str, Path]:
+    """--drafter METHOD=DIR options -> {method: DIR}, for methods that have rows here."""
+    drafters = {}
+    for item in items:
+        method, eq, folder = item.partition("=")
+        if not eq or not folder:
+            raise JaxspecError(f"--drafter {item}: write METHOD=DIR, e.g. chimera=drafters/mine")
+        if method not in METHODS or method == "ar":
+            raise JaxspecError(f"--drafter {item}: {method!r} is not a method with a drafter")
+        if method not in {parse_row(m)[0] for m in methods if m not in PEERS}:
+            raise JaxspecError(f"--drafter {item}: no {method} row in --methods")
+        drafters[method] = Path(folder)
+    return drafters
+
+
 def parse_row(name: str) -> tuple[str, str, int | None, str]:
     """METHOD[@OPTION[/N]][:DTYPE] -> (method, option, FIRP's chained nodes N or None, dtype)."""
     spec, _, dtype = name.partition(":")
@@ -106,7 +128,10 @@ class Runner:
     ppd@LAYER, then :DTYPE):
     generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
 
-    def __init__(self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=3):
+    def __init__(
+        self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=3,
+        drafters: dict[str, Path] | None = None,
+    ):  # fmt: skip
         self.name, self.seed = name, seed
         if name == "hf":
             from infer.hf_peer import HFPeer
@@ -114,14 +139,15 @@ class Runner:
             self.peer = HFPeer(model.cfg, model.params)
         else:
             method, option, chains, _ = parse_row(name)
+            drafter_dir = (drafters or {}).get(method)  # None: the shipped drafter
             if method == "ppd":  # ppd@LAYER picks the early-prediction layer
                 self.generator = build_generator(
-                    model, method, sampling=sampling, ppd_k=ppd_k,
+                    model, method, drafter_dir, sampling=sampling, ppd_k=ppd_k,
                     ppd_layer=int(option) if option else None,
                 )  # fmt: skip
             else:
                 self.generator = build_generator(
-                    model, method, tree=option or None, sampling=sampling, firp_chains=chains
+                    model, method, drafter_dir, option or None, sampling, firp_chains=chains
                 )
 
     def generate(self, prompt_ids, max_new_tokens):
@@ -224,6 +250,7 @@ def _main(argv) -> None:
             if dtype and dtype not in DTYPES:
                 raise JaxspecError(f"{m}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     methods = ["ar"] + [m for m in dict.fromkeys(methods) if m != "ar"]
+    drafters = parse_drafters(args.drafter, methods)
     if any(m.startswith("ppd") for m in methods):
         provide_devices(args.ppd_k + 1)
     questions = select(load_questions(args.questions), args.limit, args.per_category)
@@ -243,7 +270,9 @@ def _main(argv) -> None:
     if not sampling.greedy and "hf" in methods:
         raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
 
-    runners = {m: Runner(m, model_for(m), sampling, args.seed, args.ppd_k) for m in methods}
+    runners = {
+        m: Runner(m, model_for(m), sampling, args.seed, args.ppd_k, drafters) for m in methods
+    }
 
     warm = encode_conversation(
         model.tokenizer, [{"role": "user", "content": questions[0].turns[0]}]
@@ -281,6 +310,7 @@ def _main(argv) -> None:
         "temperature": args.temperature,
         "top_p": args.top_p,
         "dtype": args.dtype,
+        "drafters": {m: str(folder) for m, folder in drafters.items()},
         "methods": overall,
         "categories": categories,
     }

@@ -148,3 +148,26 @@ def test_generate_cli_medusa(trained, capsys):
         main, [*base, "--method", "medusa", "--drafter", str(out), "--tree", "chain-4"], capsys
     )
     assert "tree depth 4 exceeds the drafter's 3 Medusa heads" in err
+
+
+def test_bench_runs_a_given_drafter(trained, tmp_path, capsys):
+    from infer.bench import main
+
+    out, _, _, ckpt = trained
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "turns": ["w5 w9 w7"]}\n')
+    argv = ["--model", str(ckpt), "--questions", str(questions), "--max-new-tokens", "12"]
+    result = tmp_path / "r.json"
+    rows = ["--methods", "ar,medusa@cpu-8", "--drafter", f"medusa={out}"]
+    main([*argv, *rows, "--out", str(result)])
+    got = json.loads(result.read_text())
+    assert got["methods"]["medusa@cpu-8"]["match_ar"] == 1.0
+    assert got["drafters"] == {"medusa": str(out)}
+    for drafter, message in [
+        (str(out), "write METHOD=DIR"),
+        (f"ar={out}", "'ar' is not a method with a drafter"),
+        (f"firp={out}", "no firp row in --methods"),
+        (f"medusa={tmp_path}", "no drafter at"),
+    ]:
+        err = one_line_error(main, [*argv, "--methods", "medusa", "--drafter", drafter], capsys)
+        assert message in err
