@@ -188,6 +188,7 @@ def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
     out, first, second, ckpt = trained_chimera
     assert first["steps"] == 6 and second["steps"] == 10
     assert first["final_loss_per_head"] != second["final_loss_per_head"]  # it trained on
+    assert min(second["accepted_per_step"].values()) >= 1.0
     acc = np.array(second["test_topk_accuracy"])
     assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)
     meta = json.loads((out / "drafter.json").read_text())
@@ -396,5 +397,6 @@ def test_a_transformer_bottom_trains_but_its_drafter_is_refused(tiny_ckpt, tmp_p
     assert np.array(report["test_topk_accuracy"]).shape == (2, 5)
     settings = json.loads((tmp_path / "out" / "drafter.json").read_text())["settings"]
     assert settings["bottom"] == "transformer" and "cache_prefill" not in settings
+    assert "accepted_per_step" not in report
     with pytest.raises(JaxspecError, match="training-only ablation"):
         build_generator(load_model(tiny_ckpt[0]), "chimera", tmp_path / "out")

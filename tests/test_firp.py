@@ -202,6 +202,7 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     assert set(second["final_loss_per_step"]) == {2}  # stage 1 was done: it resumed in stage 2
     acc = np.array(second["test_topk_accuracy"])
     assert acc.shape == (2, 5) and np.all(np.diff(acc, axis=1) >= 0)
+    assert min(second["accepted_per_step"].values()) >= 1.0
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "firp" and meta["settings"]["layers"] == [1, 2]
     model = load_model(ckpt)

@@ -62,7 +62,13 @@ def test_training_resumes_and_learns(trained):
     assert first["steps"] == 12 and second["steps"] == 20  # resumed, not restarted
     acc = np.array(second["test_topk_accuracy"])
     assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)  # top-k is monotone
-    assert (out / "CARD.md").read_text().startswith("# Medusa drafter")
+    card = (out / "CARD.md").read_text()
+    assert card.startswith("# Medusa drafter")
+    # the final evaluation decodes held-out prompts with the written drafter
+    measured = second["accepted_per_step"]
+    assert list(measured) == ["chain-1", "searched-64"] and min(measured.values()) >= 1.0
+    assert card.count("## Accepted tokens measured by the trainer") == 1
+    assert f"| `searched-64` | {measured['searched-64']:.2f} |" in card
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "medusa" and meta["settings"]["n_heads"] == 3
     assert set(meta["settings"]["trees"]) == {
@@ -171,3 +177,15 @@ def test_bench_runs_a_given_drafter(trained, tmp_path, capsys):
     ]:
         err = one_line_error(main, [*argv, "--methods", "medusa", "--drafter", drafter], capsys)
         assert message in err
+
+
+def test_held_out_prompts_end_where_answers_start():
+    from train.acceptance import held_out_prompts
+
+    tokens = np.arange(24).reshape(3, 8)
+    lengths = np.array([8, 6, 4])
+    with_answers = {"tokens": tokens, "lengths": lengths, "starts": np.array([3, 2, 1])}
+    assert held_out_prompts(with_answers, 2) == [[0, 1, 2], [8, 9]]
+    assert held_out_prompts({"tokens": tokens, "lengths": lengths}) == [
+        [0, 1, 2, 3], [8, 9, 10], [16, 17]
+    ]  # fmt: skip

@@ -137,6 +137,8 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     out, first, second, ckpt = trained_sdsat
     assert first["steps"] == 4 and second["steps"] == 7
     assert first["final_loss"] != second["final_loss"]  # it trained on
+    assert "chain-3" in second["accepted_per_step"]  # its CPU default tree was measured
+    assert min(second["accepted_per_step"].values()) >= 1.0
     assert len(second["test"]["top1_per_depth"]) == 3 and second["test"]["spans"] > 0
     model = load_model(ckpt)
     settings, dparams = load_drafter(out, "sdsat", model.cfg)

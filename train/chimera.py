@@ -11,7 +11,8 @@ heads on a frozen base model (paper §3.3).
    output and the model's own state at the row (normed), weight W.
 3. Orbax checkpoints every --save-every steps; a rerun resumes.
 4. Evaluation on the test split: per-head top-1..5 accuracy (against the greedy token,
-   earlier chain tokens being the true ones), searched trees; the drafter and its card.
+   earlier chain tokens being the true ones), searched trees; the drafter and its card;
+   its accepted tokens per step (train/acceptance.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jaxspec.drafters.chimera import (
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
+from train.acceptance import measure_acceptance
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume_training, run_record, save
 from train.features import answer_features
@@ -263,6 +265,8 @@ def train(argv) -> dict:
     }
     params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
     save_drafter(out, "chimera", settings, params16, cfg, card(args, cfg, report))
+    if args.bottom == "ngram":  # the transformer-bottom ablation cannot draft
+        report["accepted_per_step"] = measure_acceptance(model, "chimera", out, settings, test_f)
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")
     return report

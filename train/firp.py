@@ -10,7 +10,8 @@
    teacher's soft labels; the teacher's entropy is constant).
 3. Orbax checkpoints every --save-every steps; a rerun resumes (stage and step).
 4. Evaluation: per-step top-1..5 agreement with the base model's greedy tokens on the test
-   split; trees searched from it; the drafter and its card are written to --out.
+   split; trees searched from it; the drafter and its card are written to --out, then its
+   accepted tokens per step are measured (train/acceptance.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
+from train.acceptance import measure_acceptance
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, save
 from train.selfdata import generate_answers
@@ -315,6 +317,9 @@ def train(argv) -> dict:
             "test_topk_accuracy": report["test_topk_accuracy"],
         }
         save_drafter(out, "firp", settings, {"maps": maps}, cfg, card(args, cfg, report))
+        report["accepted_per_step"] = measure_acceptance(
+            model, "firp", out, settings, test_pass.data
+        )
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")
     return report

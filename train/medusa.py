@@ -11,7 +11,7 @@
    Loss per head weighted decay**k.
 3. Orbax checkpoints every --save-every steps; a rerun resumes from the last one.
 4. Evaluation: per-head top-1..5 accuracy on the test split; the drafter and its card
-   are written to --out.
+   are written to --out, then its accepted tokens per step are measured (train/acceptance.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
+from train.acceptance import measure_acceptance
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume_training, save
 from train.features import answer_features, extract
@@ -171,6 +172,7 @@ def train(argv) -> dict:
         "train_minutes": round((time.perf_counter() - start_time) / 60, 1),
     }
     save_drafter(out, "medusa", settings, state["params"], cfg, card(args, cfg, report))
+    report["accepted_per_step"] = measure_acceptance(model, "medusa", out, settings, test_f)
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")
     return report

@@ -15,7 +15,8 @@
    f(Y_hat, Y) is a constant: only the adaptive term is trained (weight w = 1).
 4. AdamW (beta2 0.95) with warm-up and cosine decay as the paper; resumable orbax
    checkpoints; evaluation on the test split: per-depth top-1 accuracy and the mean number
-   of leading correct drafts (the greedy chain's accepted adaptive drafts) per span.
+   of leading correct drafts (the greedy chain's accepted adaptive drafts) per span; the
+   written drafter's tokens per loop (train/acceptance.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
 from jaxspec.tree import searched_trees
+from train.acceptance import measure_acceptance
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume_training, run_record, save
 from train.features import self_answers
@@ -243,6 +245,7 @@ def train(argv) -> dict:
     report = {"steps": int(state["step"]), **record, "test": evaluation, "trees": settings["trees"]}
     params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
     save_drafter(out, "sdsat", settings, params16, cfg, card(args, cfg, report))
+    report["accepted_per_step"] = measure_acceptance(model, "sdsat", out, settings, test_data)
     print(json.dumps(report, indent=2))
     print(f"wrote the drafter to {out}")
     return report
