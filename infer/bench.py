@@ -24,7 +24,6 @@ from infer.common import (
     DTYPES,
     METHODS,
     build_generator,
-    cast_floats,
     check_method,
     load_model,
     provide_devices,
@@ -32,6 +31,7 @@ from infer.common import (
 from jaxspec.cli import run_main
 from jaxspec.data.sources import load_questions
 from jaxspec.errors import JaxspecError
+from jaxspec.llama import compute_params
 from jaxspec.sampling import Sampling
 from jaxspec.text import encode_conversation
 
@@ -262,7 +262,7 @@ def _main(argv) -> None:
     def model_for(name: str):
         dtype = row_dtype(name, args.dtype)
         if dtype not in models:
-            models[dtype] = dataclasses.replace(stored, params=cast_floats(stored.params, dtype))
+            models[dtype] = dataclasses.replace(stored, params=compute_params(stored.params, dtype))
         return models[dtype]
 
     model = model_for("ar")
@@ -300,7 +300,8 @@ def _main(argv) -> None:
     overall, categories = summarize(records, methods, references)
     result = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.default_backend()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
+        f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
         "command": "jaxspec-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": model.cfg.name,
         "questions": args.questions,

@@ -15,6 +15,7 @@ from jaxspec.checkpoint import load_checkpoint
 from jaxspec.config import LlamaConfig
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
+from jaxspec.llama import compute_params
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
@@ -39,16 +40,6 @@ class LoadedModel:
 DTYPES = ("float32", "bfloat16")
 
 
-def cast_floats(tree, dtype: str | None):
-    """Floating-point leaves of a pytree in `dtype` (None: unchanged); integer leaves stay."""
-    if dtype is None:
-        return tree
-    return jax.tree.map(
-        lambda a: a.astype(dtype) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a,
-        tree,
-    )
-
-
 def load_model(path: Path | None = None, dtype: str | None = None) -> LoadedModel:
     """A jaxspec checkpoint folder; None means the default model (converted on first use).
     dtype: compute in float32 or bfloat16 (None: as stored)."""
@@ -56,7 +47,7 @@ def load_model(path: Path | None = None, dtype: str | None = None) -> LoadedMode
         raise JaxspecError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     path = Path(path) if path else ensure_default_model()
     cfg, params = load_checkpoint(path)
-    return LoadedModel(path, cfg, cast_floats(params, dtype), load_tokenizer(path))
+    return LoadedModel(path, cfg, compute_params(params, dtype), load_tokenizer(path))
 
 
 def provide_devices(n: int) -> None:
@@ -152,7 +143,7 @@ def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k
     settings, heads = {}, {}
     if drafter_dir.is_dir():
         settings, params = load_drafter(drafter_dir, "ppd", model.cfg)
-        heads = cast_floats(params["heads"], model.weight_dtype)
+        heads = compute_params(params["heads"], model.weight_dtype)
     layer = layer or settings.get("default_layer") or (model.cfg.n_layers + 1) // 2
     head = heads.get(head_name(layer))
     return PpdGenerator(model.cfg, model.params, k, layer, head, max_len)
@@ -178,7 +169,7 @@ def build_generator(
 
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
-    drafter_params = cast_floats(drafter_params, model.weight_dtype)
+    drafter_params = compute_params(drafter_params, model.weight_dtype)
     drafter = make_drafter(method, model.cfg, settings)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
     spec = resolve_tree(tree or default_tree(settings), settings)

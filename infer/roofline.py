@@ -27,7 +27,7 @@ from jaxspec.config import preset
 from jaxspec.decode import NoDrafter, speculative_step
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.kv_cache import commit, init_cache
-from jaxspec.llama import init_params
+from jaxspec.llama import compute_params, init_params
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
@@ -60,7 +60,7 @@ def step_ms(cfg, params, tree: TreeSpec, context: int, steps: int) -> float:
 
 
 def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype, trees=()) -> dict:
-    params = init_params(cfg, jax.random.key(0), dtype)
+    params = compute_params(init_params(cfg, jax.random.key(0), dtype), dtype)
     ms = step_ms(cfg, params, TreeSpec(()), context, steps)
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (context + steps / 2) * 4

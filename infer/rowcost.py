@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.common import DTYPES, cast_floats, load_model
+from infer.common import DTYPES, load_model
 from jaxspec.kv_cache import causal_mask, init_cache
-from jaxspec.llama import forward
+from jaxspec.llama import compute_params, forward
 
 
 def forward_ms(cfg, params, rows: int, context: int, repeats: int) -> float:
@@ -46,7 +46,7 @@ def main(argv=None) -> None:
     model = load_model()
     result = {"model": model.cfg.name, "device": jax.devices()[0].device_kind, "ms": {}}
     for dtype in args.dtype:
-        params = cast_floats(model.params, dtype)
+        params = compute_params(model.params, dtype)
         result["ms"][dtype] = {
             rows: round(forward_ms(model.cfg, params, rows, args.context, args.repeats), 1)
             for rows in args.rows

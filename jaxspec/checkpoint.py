@@ -17,6 +17,7 @@ from safetensors.flax import save_file
 
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
+from jaxspec.layers import OutIn
 
 CONFIG_FILE = "jaxspec.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -39,10 +40,16 @@ def default_dtype():
 
 
 def flatten_params(params: dict) -> dict[str, jax.Array]:
+    """{"layers.{i}.{name}": w [in,out], other names: w}, whatever order compute_params
+    gave the weights."""
     flat = {k: v for k, v in params.items() if k != "layers"}
     for i, layer in enumerate(params["layers"]):
-        flat.update({f"layers.{i}.{name}": w for name, w in layer.items()})
+        flat.update({f"layers.{i}.{name}": _in_out(w) for name, w in layer.items()})
     return flat
+
+
+def _in_out(w):
+    return w.w.T if isinstance(w, OutIn) else w
 
 
 def unflatten_params(flat: dict[str, jax.Array], n_layers: int) -> dict:

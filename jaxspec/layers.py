@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -71,8 +72,21 @@ def split_bfloat16(x: jax.Array) -> jax.Array:
     return jnp.concatenate(parts)
 
 
-def dense(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """x [...,in] times w [in,out] (w [out,in] when transposed) -> [...,out] float32.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OutIn:
+    """A linear weight w [out,in] (HF's order) that `dense` multiplies as [in,out].
+
+    bfloat16 weights are kept so for decoding (`llama.compute_params`): on CPUs with AMX,
+    XLA:CPU's bfloat16 product reads [out,in] up to 3x faster than [in,out] (down_proj,
+    3-48 rows; BENCHMARKS.md, 2026-11-23, bfloat16 weights stored [out,in])."""
+
+    w: jax.Array
+
+
+def dense(x: jax.Array, w: jax.Array | OutIn, transposed: bool = False) -> jax.Array:
+    """x [...,in] times w [in,out] (w [out,in] when transposed or an OutIn) -> [...,out]
+    float32.
 
     float32 w: a float32 product. bfloat16 w: x is split exactly into three bfloat16 row
     blocks (`split_bfloat16`), each element product is exact in float32, products are
@@ -81,6 +95,8 @@ def dense(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
     rows. That kernel serves >= 3 rows (one or two fall to slower kernels with other bits),
     which the split always gives, and a row's result does not depend on how many rows are
     computed: the same bits alone (AR) as among a tree's (verify)."""
+    if isinstance(w, OutIn):
+        w, transposed = w.w, True
     rows = x.reshape(-1, x.shape[-1])  # [R,in]
     n = rows.shape[0]
     spec = "ri,oi->ro" if transposed else "ri,io->ro"

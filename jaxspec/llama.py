@@ -8,7 +8,8 @@ params = {
   "norm": [D],
   "lm_head": [D,V],  # absent when embeddings are tied
 }
-Linear weights are stored [in, out] (HF stores [out, in]); names mirror HF.
+Linear weights are stored [in, out] (HF stores [out, in]); names mirror HF. For decoding
+in bfloat16, `compute_params` keeps the blocks' linear weights [out, in] (layers.OutIn).
 """
 
 from __future__ import annotations
@@ -20,12 +21,52 @@ import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig
 from jaxspec.kv_cache import KVBlock, KVCache, attention_mask
-from jaxspec.layers import apply_rope, attention, dense, rms_norm, rope_tables, swiglu_mlp
+from jaxspec.layers import (
+    OutIn,
+    apply_rope,
+    attention,
+    dense,
+    rms_norm,
+    rope_tables,
+    swiglu_mlp,
+)
 
 Params = dict
 # (x [...,in], weight name) -> x @ weight [...,out]: a block's linear maps. The plain one
 # reads the layer's weights; an adapter (SDSAT's) may add its own terms.
 Linear = Callable[[jax.Array, str], jax.Array]
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def compute_params(tree, dtype=None):
+    """Params (the model's, or a drafter's) ready to compute with weights in `dtype` (None:
+    as they are): floating leaves cast, integer leaves kept; in bfloat16 every decoder
+    block's linear weight [in,out] becomes OutIn([out,in]), the faster order on CPUs with
+    AMX and no slower elsewhere. Values and results are unchanged: only the order differs."""
+    if dtype is None:
+        return tree
+    dtype = jnp.dtype(dtype)
+
+    def cast(a):
+        return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {
+                k: OutIn(cast(v).T) if _is_block_linear(k, v, dtype) else walk(v)
+                for k, v in node.items()
+            }
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return jax.tree.map(cast, node)
+
+    return walk(tree)
+
+
+def _is_block_linear(name, value, dtype) -> bool:
+    return dtype == jnp.bfloat16 and name in LINEAR_NAMES and getattr(value, "ndim", None) == 2
 
 
 def plain_linear(p: dict) -> Linear:

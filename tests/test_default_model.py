@@ -124,11 +124,12 @@ def test_bfloat16_weights_stay_lossless_on_the_default_model(models, method):
     16-node tree gives bfloat16 AR's tokens (bfloat16 activations flipped near-ties here)."""
     import dataclasses
 
-    from infer.common import build_generator, cast_floats
+    from infer.common import build_generator
+    from jaxspec.llama import compute_params
     from jaxspec.text import encode_prompt
 
     ours, _ = models
-    bf16 = dataclasses.replace(ours, params=cast_floats(ours.params, "bfloat16"))
+    bf16 = dataclasses.replace(ours, params=compute_params(ours.params, "bfloat16"))
     for prompt in ("Write a short poem about the sea.", "What is 17 times 23? Explain."):
         ids = encode_prompt(bf16.tokenizer, prompt)
         ar = build_generator(bf16, "ar").generate(ids, 48)

@@ -9,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infer.common import cast_floats
 from jaxspec.config import LlamaConfig, preset
 from jaxspec.decode import SpeculativeGenerator, prefill_and_draft, redraft, speculative_step
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
-from jaxspec.llama import forward, init_params
+from jaxspec.llama import compute_params, forward, init_params
 from jaxspec.sampling import Sampling, warped_logprobs
 from jaxspec.tree import TreeSpec, search_tree, tree_preset
 from tests.drafters import OracleDrafter, RandomDrafter
@@ -100,7 +99,7 @@ def test_bfloat16_weights_decode_like_ar_on_a_tiny_model(tree_name):
     the random and the oracle drafter give AR's output in that precision too."""
     cfg, params = tiny("tiny-mqa")
     ar, random, oracle = random_and_oracle_vs_ar(
-        cfg, cast_floats(params, "bfloat16"), tree_preset(tree_name)
+        cfg, compute_params(params, "bfloat16"), tree_preset(tree_name)
     )
     assert random == ar
     assert oracle.token_ids == ar
