@@ -1,7 +1,10 @@
 """Forward time of a model against its cache vs the number of new rows T (1 = an AR step,
 T = a verify step over a T-node tree), per weight dtype: what a tree may cost here.
 
-    python -m infer.rowcost --dtype float32 bfloat16 --rows 1 2 4 8 16
+    python -m infer.rowcost --dtype float32 bfloat16 bfloat16-in-out --rows 1 2 4 8 16
+
+`bfloat16-in-out` keeps bfloat16 weights in the stored [in,out] order instead of the
+[out,in] order decoding uses (`llama.compute_params`): the A/B behind that choice.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +21,8 @@ import numpy as np
 from infer.common import DTYPES, load_model
 from jaxspec.kv_cache import causal_mask, init_cache
 from jaxspec.llama import compute_params, forward
+
+IN_OUT = "bfloat16-in-out"
 
 
 def forward_ms(cfg, params, rows: int, context: int, repeats: int) -> float:
@@ -38,15 +44,19 @@ def forward_ms(cfg, params, rows: int, context: int, repeats: int) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.rowcost", description=__doc__)
-    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=["float32"])
+    p.add_argument("--dtype", nargs="+", choices=(*DTYPES, IN_OUT), default=["float32"])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--model", type=Path, help="a jaxspec checkpoint (default: the default model)")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
-    model = load_model()
+    model = load_model(args.model)
     result = {"model": model.cfg.name, "device": jax.devices()[0].device_kind, "ms": {}}
     for dtype in args.dtype:
-        params = compute_params(model.params, dtype)
+        if dtype == IN_OUT:
+            params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params)
+        else:
+            params = compute_params(model.params, dtype)
         result["ms"][dtype] = {
             rows: round(forward_ms(model.cfg, params, rows, args.context, args.repeats), 1)
             for rows in args.rows

@@ -175,6 +175,17 @@ def test_roofline_reports_a_fraction(capsys):
     assert all(v["ms_per_step"] > 0 for v in got["verify"].values())
 
 
+def test_rowcost_times_every_dtype_and_order(tiny_ckpt, capsys):
+    from infer.rowcost import main as rowcost_main
+
+    ckpt, _ = tiny_ckpt
+    dtypes = ["float32", "bfloat16", "bfloat16-in-out"]
+    argv = ["--model", str(ckpt), "--dtype", *dtypes, "--rows", "1", "3", "--repeats", "1"]
+    got = json.loads(run_ok(rowcost_main, argv, capsys))
+    assert list(got["ms"]) == dtypes
+    assert all(ms > 0 for row in got["ms"].values() for ms in row.values())
+
+
 def test_bench_compares_each_row_with_ar_in_its_own_dtype():
     methods = ["ar", "ar:float32", "medusa", "firp@searched-8:float32", "hf"]
     refs = {m: match_reference(m, "bfloat16", methods) for m in methods}
