@@ -40,6 +40,19 @@ class LoadedModel:
 DTYPES = ("float32", "bfloat16")
 
 
+def fastest_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The weight dtype that decodes fastest here (BENCHMARKS.md): bfloat16 on accelerators
+    and on CPUs with AMX-BF16 (bfloat16 AR ran 1.14x of float32 AR on an Intel Xeon with
+    AMX), float32 on other CPUs (bfloat16 AR 0.96x of float32 AR on an AMD Zen 5)."""
+    if jax.default_backend() != "cpu":
+        return "bfloat16"
+    try:
+        words = cpuinfo.read_text().split()
+    except OSError:
+        return "float32"
+    return "bfloat16" if "amx_bf16" in words else "float32"
+
+
 def load_model(path: Path | None = None, dtype: str | None = None) -> LoadedModel:
     """A jaxspec checkpoint folder; None means the default model (converted on first use).
     dtype: compute in float32 or bfloat16 (None: as stored)."""

@@ -1,12 +1,13 @@
 """`make demo`: speculative generation of a prompt with the best shipped drafter, streamed,
 then the same prompt with plain AR decoding: accepted tokens per step, speedup, and
-whether the two outputs are token-identical (they must be: greedy decoding is lossless)."""
+whether the two outputs are token-identical (they must be: greedy decoding is lossless).
+Both run with the weight dtype that decodes fastest on this machine (`fastest_dtype`)."""
 
 from __future__ import annotations
 
 import sys
 
-from infer.common import DRAFTERS_DIR, build_generator, load_model
+from infer.common import DRAFTERS_DIR, build_generator, fastest_dtype, load_model
 from jaxspec.cli import run_main
 from jaxspec.text import TextStream, encode_prompt
 
@@ -16,10 +17,14 @@ PREFERENCE = ("firp", "medusa")  # best first, among methods whose drafter ships
 
 def _main(argv) -> None:
     prompt = " ".join(argv if argv is not None else sys.argv[1:]) or DEFAULT_PROMPT
-    model = load_model()
+    dtype = fastest_dtype()
+    model = load_model(dtype=dtype)
     shipped = [m for m in PREFERENCE if (DRAFTERS_DIR / model.cfg.name / m).is_dir()]
     method = shipped[0] if shipped else "ar"
-    print(f"model: {model.cfg.name} ({model.cfg.n_params / 1e6:.0f}M params), method: {method}\n")
+    print(
+        f"model: {model.cfg.name} ({model.cfg.n_params / 1e6:.0f}M params, {dtype} weights, "
+        f"the faster here), method: {method}\n"
+    )
     print(f">>> {prompt}\n")
     ids = encode_prompt(model.tokenizer, prompt)
     stream = TextStream(model.tokenizer)

@@ -186,6 +186,17 @@ def test_rowcost_times_every_dtype_and_order(tiny_ckpt, capsys):
     assert all(ms > 0 for row in got["ms"].values() for ms in row.values())
 
 
+def test_fastest_dtype_is_bfloat16_only_with_amx(tmp_path):
+    from infer.common import fastest_dtype
+
+    amx, avx = tmp_path / "amx", tmp_path / "avx"
+    amx.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    avx.write_text("flags\t\t: fpu avx512f avx512_bf16\n")
+    assert fastest_dtype(amx) == "bfloat16"
+    assert fastest_dtype(avx) == "float32"
+    assert fastest_dtype(tmp_path / "missing") == "float32"
+
+
 def test_bench_compares_each_row_with_ar_in_its_own_dtype():
     methods = ["ar", "ar:float32", "medusa", "firp@searched-8:float32", "hf"]
     refs = {m: match_reference(m, "bfloat16", methods) for m in methods}
