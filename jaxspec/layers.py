@@ -84,9 +84,8 @@ class OutIn:
     w: jax.Array
 
 
-def dense(x: jax.Array, w: jax.Array | OutIn, transposed: bool = False) -> jax.Array:
-    """x [...,in] times w [in,out] (w [out,in] when transposed or an OutIn) -> [...,out]
-    float32.
+def dense(x: jax.Array, w: jax.Array | OutIn) -> jax.Array:
+    """x [...,in] times w [in,out] (or an OutIn holding [out,in]) -> [...,out] float32.
 
     float32 w: a float32 product. bfloat16 w: x is split exactly into three bfloat16 row
     blocks (`split_bfloat16`), each element product is exact in float32, products are
@@ -95,11 +94,10 @@ def dense(x: jax.Array, w: jax.Array | OutIn, transposed: bool = False) -> jax.A
     rows. That kernel serves >= 3 rows (one or two fall to slower kernels with other bits),
     which the split always gives, and a row's result does not depend on how many rows are
     computed: the same bits alone (AR) as among a tree's (verify)."""
-    if isinstance(w, OutIn):
-        w, transposed = w.w, True
+    spec = "ri,oi->ro" if isinstance(w, OutIn) else "ri,io->ro"
+    w = w.w if isinstance(w, OutIn) else w
     rows = x.reshape(-1, x.shape[-1])  # [R,in]
     n = rows.shape[0]
-    spec = "ri,oi->ro" if transposed else "ri,io->ro"
     if w.dtype == jnp.bfloat16:
         y = jnp.einsum(spec, split_bfloat16(rows), w, preferred_element_type=jnp.float32)
         y = y[:n] + y[n : 2 * n] + y[2 * n :]  # [R,out]

@@ -49,24 +49,14 @@ def compute_params(tree, dtype=None):
         return tree
     dtype = jnp.dtype(dtype)
 
-    def cast(a):
-        return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+    def leaf(path, a):
+        a = a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+        name = getattr(path[-1], "key", None) if path else None
+        if dtype == jnp.bfloat16 and name in LINEAR_NAMES and a.ndim == 2:
+            return OutIn(a.T)
+        return a
 
-    def walk(node):
-        if isinstance(node, dict):
-            return {
-                k: OutIn(cast(v).T) if _is_block_linear(k, v, dtype) else walk(v)
-                for k, v in node.items()
-            }
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        return jax.tree.map(cast, node)
-
-    return walk(tree)
-
-
-def _is_block_linear(name, value, dtype) -> bool:
-    return dtype == jnp.bfloat16 and name in LINEAR_NAMES and getattr(value, "ndim", None) == 2
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def plain_linear(p: dict) -> Linear:
@@ -155,7 +145,7 @@ def final_norm(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
 def vocab_projection(params: Params, cfg: LlamaConfig, x: jax.Array) -> jax.Array:
     """The output projection (lm_head, or the tied embeddings): x [...,D] -> [...,V] float32."""
     if cfg.tie_embeddings:
-        return dense(x, params["embed_tokens"], transposed=True)
+        return dense(x, OutIn(params["embed_tokens"]))  # [V,D]
     return dense(x, params["lm_head"])
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxspec.config import preset
 from jaxspec.kv_cache import KVBlock, attention_mask, causal_mask, commit, init_cache, write_rows
-from jaxspec.layers import dense, split_bfloat16
+from jaxspec.layers import OutIn, dense, split_bfloat16
 from jaxspec.llama import forward as eager_forward
 from jaxspec.llama import init_params
 
@@ -100,10 +100,11 @@ def test_dense_rows_are_independent_of_how_many_are_computed(dtype, transposed):
     kx, kw = jax.random.split(jax.random.key(3))
     x = jax.random.normal(kx, (16, 96))
     w = jax.random.normal(kw, (200, 96) if transposed else (96, 200)).astype(dtype)
-    together = jax.jit(dense, static_argnums=2)(x, w, transposed)
+    w_arg = OutIn(w) if transposed else w
+    together = jax.jit(dense)(x, w_arg)
     assert together.dtype == jnp.float32 and together.shape == (16, 200)
     for rows in (1, 2, 5) if dtype == jnp.bfloat16 else (2, 5):
-        alone = jax.jit(dense, static_argnums=2)(x[:rows], w, transposed)
+        alone = jax.jit(dense)(x[:rows], w_arg)
         np.testing.assert_array_equal(np.asarray(alone), np.asarray(together[:rows]))
     w64 = np.asarray(w.astype(jnp.float32), np.float64)
     exact = np.asarray(x, np.float64) @ (w64.T if transposed else w64)

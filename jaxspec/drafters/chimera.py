@@ -61,7 +61,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, DraftInputs
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, write_rows
-from jaxspec.layers import dense, rms_norm, rope_tables
+from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
 from jaxspec.llama import decoder_layer, embed, final_norm, layer_kv, vocab_projection
 from jaxspec.tree import TreeSpec
 
@@ -184,7 +184,7 @@ class ChimeraDrafter(Drafter):
         if self.full_heads:
             return y.astype(jnp.float32)  # already [...,V]
         if "vocab" in params:  # [V',D] rows of the lm_head: logits over the draft vocabulary
-            return dense(y, params["vocab"]["matrix"], transposed=True)
+            return dense(y, OutIn(params["vocab"]["matrix"]))
         return vocab_projection(base_params, self.cfg, y)
 
     def prepare(self, params, drafter_params, settings):
