@@ -12,6 +12,10 @@ Each part writes `<out>/<part>.json` and `<out>/<part>.png`:
   FIRP) or not (masked).
 - trees (Table 3): mean accepted tokens per step at 16/32/64-node trees searched from each
   drafter's accuracy, FIRP vs Medusa, generating greedily on Spec-Bench questions.
+- sizes (Fig. 1a, draft size): parameters and float32 drafter-file bytes of FIRP and of
+  Medusa in the paper's form (every head its own vocabulary projection) and in ours (heads
+  share the frozen lm_head), each saved with the same code the trainers use; plus the
+  shipped files' sizes.
 
 Ablation maps are trained here with `jaxspec-train firp` at a small budget (--steps per
 map, default 150, vs 300 for the shipped drafter) on the same data, all sharing one cached
@@ -42,7 +46,7 @@ OUT = Path(__file__).resolve().parent / "results" / "firp"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m repro.firp_study", description=__doc__)
-    p.add_argument("part", choices=("accuracy", "cosine", "layers", "masked", "trees"))
+    p.add_argument("part", choices=("accuracy", "cosine", "layers", "masked", "trees", "sizes"))
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--steps", type=int, default=150, help="updates per map for ablations")
     p.add_argument("--train-seqs", type=int, default=800, help="as the shipped drafter")
@@ -273,12 +277,67 @@ def plot_trees(result: dict, path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def part_sizes(args, model) -> dict:
+    """Parameters and file bytes (float32, drafter.safetensors) of each drafter kind, with
+    as many heads/steps as the shipped drafters, saved to a scratch folder and measured."""
+    import tempfile
+
+    from jaxspec.drafters.firp import FirpDrafter
+    from jaxspec.drafters.medusa import MedusaDrafter
+    from jaxspec.drafters.store import WEIGHTS, save_drafter
+
+    firp_settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)[0]
+    medusa_settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "medusa", "medusa", model.cfg)[0]
+    heads = medusa_settings["n_heads"]
+    kinds = {
+        f"firp ({len(firp_settings['layers'])} maps)": FirpDrafter(
+            model.cfg, tuple(firp_settings["layers"])
+        ).init(),
+        f"medusa, paper ({heads} heads, own vocabulary projections)": MedusaDrafter(
+            model.cfg, heads, own_lm_head=True
+        ).init(model.params),
+        f"medusa, ours ({heads} heads sharing the lm_head)": MedusaDrafter(model.cfg, heads).init(
+            model.params
+        ),
+    }
+    result = {"built": {}, "shipped_bytes": {}}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, params in kinds.items():
+            folder = Path(scratch) / str(len(result["built"]))
+            save_drafter(folder, "size", {}, params, model.cfg, "")
+            result["built"][name] = {
+                "parameters": sum(int(np.size(x)) for x in jax.tree.leaves(params)),
+                "file_bytes": (folder / WEIGHTS).stat().st_size,
+            }
+    for method in ("firp", "medusa", "chimera", "sdsat"):
+        path = DRAFTERS_DIR / model.cfg.name / method / WEIGHTS
+        if path.is_file():
+            result["shipped_bytes"][method] = path.stat().st_size
+    plot_sizes(result["built"], args.out / "sizes.png")
+    return result
+
+
+def plot_sizes(built: dict, path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    names = list(built)
+    mib = [built[n]["file_bytes"] / 2**20 for n in names]
+    ax.barh(names, mib)
+    for y, x in enumerate(mib):
+        ax.text(x, y, f" {x:.1f}", va="center")
+    ax.set(xscale="log", xlim=(1, 4000), xlabel="drafter file, MiB (float32)", title="Fig. 1a")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 PARTS = {
     "accuracy": part_accuracy,
     "cosine": part_cosine,
     "layers": part_layers,
     "masked": part_masked,
     "trees": part_trees,
+    "sizes": part_sizes,
 }
 
 
