@@ -79,6 +79,26 @@ def test_training_resumes_and_learns(trained):
     }
 
 
+def test_init_starts_from_a_trained_drafter(trained, tmp_path):
+    """--init DIR: training starts from that drafter's weights (with lr 0 one step keeps
+    them exactly; fresh heads would be zeros); a drafter of another shape is refused."""
+    import train.medusa as medusa
+
+    out, _, _, ckpt = trained
+    cfg, _ = load_checkpoint(ckpt)
+    common = [*tiny_training_args(ckpt, tmp_path, train_seqs=10, batch=32, lr=0),
+              "--seq-len", "64", "--steps", "1", "--init", str(out)]  # fmt: skip
+    medusa.train([*common, "--heads", "3"])
+    _, start = load_drafter(out, "medusa", cfg)
+    _, after = load_drafter(tmp_path / "out", "medusa", cfg)
+    assert float(jnp.abs(start["heads"][0]["w"]).max()) > 0
+    jax.tree.map(np.testing.assert_array_equal, after, start)
+    card = (tmp_path / "out" / "CARD.md").read_text()
+    assert f"Started from the weights of the drafter then at `{out}`, which `jaxspec-train" in card
+    with pytest.raises(JaxspecError, match="do not fit the drafter these flags build"):
+        medusa.train([*common, "--heads", "2"])
+
+
 def test_self_data_is_the_models_greedy_answer(trained):
     out, _, _, ckpt = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxspec.drafters.store import load_drafter
+from jaxspec.errors import JaxspecError
+
 # Flags added after runs were made, with their defaults: hashed only when set otherwise, so
 # those runs still resume.
-LATER_FLAGS = {"bottom": "ngram"}
+LATER_FLAGS = {"bottom": "ngram", "init": None}
 
 
 def run_name(args) -> str:
@@ -53,6 +58,34 @@ def resume(work: Path, args, state):
         manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state)),
         True,
     )
+
+
+def initial_params(args, method: str, cfg, fresh):
+    """`fresh` (a new drafter's params), or with --init DIR that drafter's weights in float32,
+    which must have the same structure and shapes (same heads, n-gram size, ...)."""
+    if getattr(args, "init", None) is None:
+        return fresh
+    _, loaded = load_drafter(args.init, method, cfg)
+    same = jax.tree.structure(loaded) == jax.tree.structure(fresh) and jax.tree.all(
+        jax.tree.map(lambda a, b: a.shape == b.shape, loaded, fresh)
+    )
+    if not same:
+        raise JaxspecError(
+            f"--init {args.init}: its weights do not fit the drafter these flags build; "
+            "train with the flags in its CARD.md"
+        )
+    return loaded
+
+
+def started_from(args) -> str:
+    """A card line naming the drafter that --init started from and the command that trained
+    it (read from its card), or "" for a fresh start."""
+    if getattr(args, "init", None) is None:
+        return ""
+    card = Path(args.init) / "CARD.md"
+    found = re.search(r"^- Command: `([^`]*)`", card.read_text() if card.is_file() else "", re.M)
+    how = f", which `{found.group(1)}` trained" if found else ""
+    return f"- Started from the weights of the drafter then at `{args.init}`{how}.\n"
 
 
 def resume_training(work: Path, args, params, optimizer):

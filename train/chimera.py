@@ -41,7 +41,14 @@ from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
 from train.args import trainer_parser
-from train.checkpoints import command_flags, resume_training, run_record, save
+from train.checkpoints import (
+    command_flags,
+    initial_params,
+    resume_training,
+    run_record,
+    save,
+    started_from,
+)
 from train.features import answer_features
 from train.optim import apply_grads
 
@@ -49,7 +56,7 @@ REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def parse_args(argv):
-    p = trainer_parser("chimera", __doc__)
+    p = trainer_parser("chimera", __doc__, can_init=True)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--ngram", type=int, default=3, help="tokens per n-gram (paper: 3)")
     p.add_argument(
@@ -209,7 +216,7 @@ def train(argv) -> dict:
         bottom=args.bottom,
     )  # fmt: skip
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
-    params = drafter.init(model.params)
+    params = initial_params(args, "chimera", cfg, drafter.init(model.params))
     manager, state = resume_training(work, args, params, optimizer)
     weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
     first_step = int(state["step"])
@@ -303,7 +310,7 @@ def card(args, cfg, report) -> str:
         if args.draft_vocab
         else "the whole vocabulary"
     } (the accuracy below is over the whole vocabulary).
-- Command: `jaxspec-train chimera {command_flags(args)}`
+{started_from(args)}- Command: `jaxspec-train chimera {command_flags(args)}`
 
 Test-split accuracy ({args.test_seqs} ShareGPT test conversations), top-1..5 against the
 base model's greedy tokens (earlier chain tokens the true ones):

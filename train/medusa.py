@@ -36,7 +36,7 @@ from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
 from train.args import trainer_parser
-from train.checkpoints import command_flags, resume_training, save
+from train.checkpoints import command_flags, initial_params, resume_training, save, started_from
 from train.features import answer_features, extract
 from train.optim import apply_grads
 
@@ -44,7 +44,7 @@ REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def parse_args(argv):
-    p = trainer_parser("medusa", __doc__, batch=256, batch_help="positions per step")
+    p = trainer_parser("medusa", __doc__, batch=256, batch_help="positions per step", can_init=True)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--data", choices=("self", "sharegpt"), default="self")
     p.add_argument("--seq-len", type=int, default=256, help="sharegpt data: tokens per sequence")
@@ -136,7 +136,7 @@ def train(argv) -> dict:
 
     drafter = MedusaDrafter(cfg, args.heads)
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
-    params = drafter.init(model.params)
+    params = initial_params(args, "medusa", model.cfg, drafter.init(model.params))
     manager, state = resume_training(work, args, params, optimizer)
     weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
     rng = np.random.default_rng(args.seed)
@@ -205,7 +205,7 @@ def card(args, cfg, report) -> str:
   head weights {args.decay}**k; {report["train_minutes"]} minutes end to end on the machine
   that trained it.
 - Final training loss per head: {report["final_loss_per_head"]}
-- Command: `jaxspec-train medusa {command_flags(args)}`
+{started_from(args)}- Command: `jaxspec-train medusa {command_flags(args)}`
 
 Test-split accuracy ({args.test_seqs} ShareGPT test conversations, same kind of data),
 top-1..5 against the base model's greedy tokens:
