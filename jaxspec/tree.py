@@ -144,17 +144,29 @@ def per_rank_accuracy(topk_accuracy) -> np.ndarray:
     return np.diff(cumulative, axis=1, prepend=0.0).clip(0.0, 1.0)
 
 
-def last_accepted_probability(tree: TreeSpec, topk_accuracy) -> np.ndarray:
-    """[T] probability that each node ends a step as the last accepted one, from measured
-    cumulative top-1..k accuracy per depth [depth, k] under search_tree's independence
-    assumption: a node is reached with the product of its path's per-rank accuracies, and
-    is the last one unless one of its children is reached too."""
+def reach_probability(tree: TreeSpec, topk_accuracy) -> np.ndarray:
+    """[T] probability that a step accepts each node, from measured cumulative top-1..k
+    accuracy per depth [depth, k] under search_tree's independence assumption: the product
+    of its path's per-rank accuracies (the root: 1)."""
     per_rank = per_rank_accuracy(topk_accuracy)
     reach = np.ones(tree.n_nodes)
     for i in range(1, tree.n_nodes):  # parents come before their children
         d, r = tree.depth[i] - 1, tree.rank[i]
         known = d < per_rank.shape[0] and r < per_rank.shape[1]
         reach[i] = reach[tree.parent[i]] * (per_rank[d, r] if known else 0.0)
+    return reach
+
+
+def expected_tokens_per_step(tree: TreeSpec, topk_accuracy) -> float:
+    """Accepted drafted tokens plus the bonus token a step is expected to emit: the sum of
+    reach_probability (the root counting for the bonus token)."""
+    return float(reach_probability(tree, topk_accuracy).sum())
+
+
+def last_accepted_probability(tree: TreeSpec, topk_accuracy) -> np.ndarray:
+    """[T] probability that each node ends a step as the last accepted one
+    (reach_probability's assumption): it is reached and none of its children is."""
+    reach = reach_probability(tree, topk_accuracy)
     last = reach.copy()
     for i in range(1, tree.n_nodes):
         last[tree.parent[i]] -= reach[i]

@@ -13,6 +13,11 @@ Each part writes `<out>/<part>.json` and `<out>/<part>.png`:
 - cache: the trigram cache's hit rate and its effect on step time (sizes 0, 4096, 65536,
   empty or pre-filled with the most frequent answer trigrams of the training data)
   generating answers to the first question of each Spec-Bench category (--questions).
+- bound: tokens per step that the measured head accuracies allow: for Medusa, Chimera
+  (the accuracy part's result) and FIRP (its drafter's measured accuracy), the expected
+  tokens per step of the searched tree at 2-64 nodes and of the tree holding every top-5
+  path (no tree of top-5 guesses does better), under the tree search's independence
+  assumption.
 
 Ablations are trained here with `jaxspec-train chimera` at a small budget (--steps,
 default 250, vs 1500 for the shipped drafter) on the same data; compare ablations with
@@ -27,10 +32,12 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from infer.common import DRAFTERS_DIR, load_model, make_drafter
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.store import load_drafter
+from jaxspec.tree import expected_tokens_per_step, per_rank_accuracy, search_tree
 from repro.plots import plot_topk, run_part
 from train import chimera as chimera_train
 from train import medusa as medusa_train
@@ -209,6 +216,38 @@ def part_cache(args, model) -> dict:
     return result
 
 
+def part_bound(args, model) -> dict:
+    path = args.out / "accuracy.json"
+    if not path.is_file():
+        raise SystemExit(f"the bound part reads {path}: run the accuracy part first")
+    accuracy = json.loads(path.read_text())
+    firp_settings, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
+    accuracy["firp"] = firp_settings["test_topk_accuracy"]
+    result = {}
+    for name, topk in accuracy.items():
+        depth, k = np.shape(topk)
+        every_path = sum(k**d for d in range(depth + 1))  # nodes of the full top-k tree
+        per_rank = per_rank_accuracy(topk)
+        result[name] = {
+            str(n): round(expected_tokens_per_step(search_tree(per_rank, n), topk), 3)
+            for n in (2, 8, 16, 32, 64, every_path)
+        }
+    plot_bound(result, args.out / "bound.png")
+    return result
+
+
+def plot_bound(result: dict, path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, by_nodes in result.items():
+        ax.plot([int(n) for n in by_nodes], list(by_nodes.values()), marker="o", label=name)
+    ax.set(xscale="log", xlabel="tree nodes", ylabel="expected tokens per step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 PARTS = {
     "accuracy": part_accuracy,
     "ngram": part_ngram,
@@ -216,6 +255,7 @@ PARTS = {
     "distill": part_distill,
     "timeshare": part_timeshare,
     "cache": part_cache,
+    "bound": part_bound,
 }
 
 

@@ -15,7 +15,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import compute_params, forward, init_params
 from jaxspec.sampling import Sampling, warped_logprobs
-from jaxspec.tree import TreeSpec, search_tree, tree_preset
+from jaxspec.tree import TreeSpec, expected_tokens_per_step, search_tree, tree_preset
 from tests.drafters import OracleDrafter, RandomDrafter
 from tests.test_generate import n_programs
 
@@ -62,6 +62,8 @@ def test_tree_search_is_optimal_on_a_small_case():
     tree = search_tree(acc, 4)  # values: (0)=.7 (0,0)=.35 (1)=.2 (0,1)=.07 (1,0)=.1
     assert tree.paths == ((0,), (1,), (0, 0))
     assert tree_preset("gpu-63").n_nodes == 64 and tree_preset("cpu-16").n_nodes == 16
+    # Expected tokens per step from the cumulative top-k accuracy: 1 (bonus) + .7 + .2 + .35.
+    assert expected_tokens_per_step(tree, [[0.7, 0.9], [0.5, 0.6]]) == pytest.approx(2.25)
 
 
 def tiny(name="tiny-gqa", vocab=None) -> tuple[LlamaConfig, dict]:
