@@ -94,8 +94,9 @@ def dense(x: jax.Array, w: jax.Array | OutIn) -> jax.Array:
     rows. That kernel serves >= 3 rows (one or two fall to slower kernels with other bits),
     which the split always gives, and a row's result does not depend on how many rows are
     computed: the same bits alone (AR) as among a tree's (verify)."""
-    spec = "ri,oi->ro" if isinstance(w, OutIn) else "ri,io->ro"
-    w = w.w if isinstance(w, OutIn) else w
+    spec = "ri,io->ro"
+    if isinstance(w, OutIn):
+        spec, w = "ri,oi->ro", w.w
     rows = x.reshape(-1, x.shape[-1])  # [R,in]
     n = rows.shape[0]
     if w.dtype == jnp.bfloat16:
