@@ -23,6 +23,7 @@ from tqdm import tqdm
 from infer.common import (
     DTYPES,
     METHODS,
+    SDSAT_LOOPS,
     build_generator,
     check_method,
     load_model,
@@ -45,7 +46,8 @@ def parse_args(argv=None):
         default="ar",
         help=f"comma list of {', '.join(METHODS + PEERS)}; METHOD@TREE picks a tree "
         "(e.g. medusa@searched-16,firp@searched-16: the same node budget), firp@TREE/N "
-        "FIRP's chains on N nodes, ppd@LAYER the early-prediction layer",
+        "FIRP's chains on N nodes, sdsat/one-forward SDSAT's one-forward loop (sdsat@TREE/"
+        "one-forward with a tree), ppd@LAYER the early-prediction layer",
     )
     p.add_argument(
         "--questions",
@@ -109,23 +111,26 @@ def parse_drafters(items: list[str], methods: list[str]) -> dict[str, Path]:
     return drafters
 
 
-def parse_row(name: str) -> tuple[str, str, int | None, str]:
-    """METHOD[@OPTION[/N]][:DTYPE] -> (method, option, FIRP's chained nodes N or None, dtype)."""
+def parse_row(name: str) -> tuple[str, str, str | None, str]:
+    """METHOD[@OPTION][/EXTRA][:DTYPE] -> (method, option, EXTRA or None, dtype); EXTRA is
+    FIRP's chained nodes N or SDSAT's loop (one-forward / two-forward)."""
     spec, _, dtype = name.partition(":")
+    spec, slash, extra = spec.partition("/")
     method, _, option = spec.partition("@")
-    option, slash, chains = option.partition("/")
     if method == "ar" and option:
         raise JaxspecError(f"{name}: ar decodes without a draft tree; drop @{option}")
-    if slash and (method != "firp" or not chains.isdigit()):
+    if slash and method == "sdsat" and extra not in SDSAT_LOOPS:
+        raise JaxspecError(f"{name}: an sdsat row's /LOOP is one of {', '.join(SDSAT_LOOPS)}")
+    if slash and method != "sdsat" and (method != "firp" or not extra.isdigit()):
         raise JaxspecError(
             f"{name}: /N (FIRP's pseudo chains on N nodes, N >= 0) applies to firp rows only"
         )
-    return method, option, int(chains) if slash else None, dtype
+    return method, option, extra if slash else None, dtype
 
 
 class Runner:
-    """One method (optionally METHOD@TREE, firp@TREE/N with chains on N nodes, or
-    ppd@LAYER, then :DTYPE):
+    """One method (optionally METHOD@TREE, firp@TREE/N with chains on N nodes,
+    sdsat[@TREE]/LOOP, or ppd@LAYER, then :DTYPE):
     generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
 
     def __init__(
@@ -138,7 +143,7 @@ class Runner:
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
-            method, option, chains, _ = parse_row(name)
+            method, option, extra, _ = parse_row(name)
             drafter_dir = (drafters or {}).get(method)  # None: the shipped drafter
             if method == "ppd":  # ppd@LAYER picks the early-prediction layer
                 self.generator = build_generator(
@@ -147,8 +152,10 @@ class Runner:
                 )  # fmt: skip
             else:
                 self.generator = build_generator(
-                    model, method, drafter_dir, option or None, sampling, firp_chains=chains
-                )
+                    model, method, drafter_dir, option or None, sampling,
+                    firp_chains=int(extra) if extra and method == "firp" else None,
+                    sdsat_loop=extra if method == "sdsat" else None,
+                )  # fmt: skip
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":

@@ -22,6 +22,10 @@ from jaxspec.tree import TreeSpec, tree_preset
 METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 CPU_TREE = "chain-1"
+# SDSAT's loops: the paper's draft step then verify step, or adaptive chains in the verify
+# step (jaxspec.drafters.sdsat). The one-forward loop's trees: a drafter's
+# settings["one_forward"], else chain-1 (the faster of chain-1/2 on CPU; not measured on GPU).
+SDSAT_LOOPS = ("two-forward", "one-forward")
 
 
 @dataclasses.dataclass
@@ -104,7 +108,7 @@ def resolve_tree(name: str, settings: dict) -> TreeSpec:
         raise JaxspecError(f"{e}; this drafter's own: {', '.join(own)}") from None
 
 
-def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
+def make_drafter(method: str, cfg: LlamaConfig, settings: dict, sdsat_loop: str | None = None):
     if method == "medusa":
         from jaxspec.drafters.medusa import MedusaDrafter
 
@@ -112,7 +116,10 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict):
     if method == "sdsat":
         from jaxspec.drafters.sdsat import SdsatDrafter
 
-        return SdsatDrafter(cfg, settings["rank"], settings.get("n_ids", 1))
+        loop = sdsat_loop or settings.get("loop", SDSAT_LOOPS[0])
+        if loop not in SDSAT_LOOPS:
+            raise JaxspecError(f"unknown sdsat loop {loop!r}; use one of {', '.join(SDSAT_LOOPS)}")
+        return SdsatDrafter(cfg, settings["rank"], settings.get("n_ids", 1), loop == "one-forward")
     if method == "chimera":
         from jaxspec.drafters.chimera import ChimeraDrafter
 
@@ -172,6 +179,7 @@ def build_generator(
     ppd_k: int = 3,
     ppd_layer: int | None = None,
     firp_chains: int | None = None,
+    sdsat_loop: str | None = None,
 ) -> SpeculativeGenerator:
     check_method(method)
     if method == "ppd":
@@ -183,8 +191,10 @@ def build_generator(
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
     drafter_params = compute_params(drafter_params, model.weight_dtype)
-    drafter = make_drafter(method, model.cfg, settings)
+    drafter = make_drafter(method, model.cfg, settings, sdsat_loop)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
+    if method == "sdsat" and drafter.one_forward:  # the other trees are the two-step loop's
+        settings = settings.get("one_forward", {"cpu_tree": CPU_TREE, "gpu_tree": CPU_TREE})
     spec = resolve_tree(tree or default_tree(settings), settings)
     if method == "firp":
         drafter = place_firp_chains(drafter, spec, settings, firp_chains)

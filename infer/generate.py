@@ -11,6 +11,7 @@ from pathlib import Path
 from infer.common import (
     DTYPES,
     METHODS,
+    SDSAT_LOOPS,
     build_generator,
     check_method,
     load_model,
@@ -63,6 +64,12 @@ def parse_args(argv=None):
         "node; default: the drafter's setting)",
     )
     p.add_argument(
+        "--sdsat-loop",
+        choices=SDSAT_LOOPS,
+        help="sdsat: the paper's draft step then verify step (two forwards a loop), or "
+        "adaptive chains inside the verify step (one forward; default: the drafter's setting)",
+    )
+    p.add_argument(
         "--dtype",
         choices=DTYPES,
         help="weight dtype (default: as stored, float32); bfloat16 decodes faster on CPUs with "
@@ -89,7 +96,7 @@ def _main(argv) -> None:
     prompt_ids = [encode_prompt(model.tokenizer, p, chat=not args.no_chat) for p in prompts]
     generator = build_generator(
         model, args.method, args.drafter, args.tree, sampling, args.max_len, args.ppd_k,
-        args.ppd_layer, args.firp_chains,
+        args.ppd_layer, args.firp_chains, args.sdsat_loop,
     )  # fmt: skip
     if len(prompt_ids) > 1:
         results = generator.generate_batch(prompt_ids, args.max_new_tokens, args.seed)
@@ -131,6 +138,8 @@ def check_options(args) -> None:
         raise JaxspecError("--drafter applies to speculative methods; --method ar has none")
     if args.firp_chains is not None and args.method != "firp":
         raise JaxspecError("--firp-chains applies to --method firp only")
+    if args.sdsat_loop is not None and args.method != "sdsat":
+        raise JaxspecError("--sdsat-loop applies to --method sdsat only")
     if args.ppd_layer is not None and args.method != "ppd":
         raise JaxspecError("--ppd-layer applies to --method ppd only")
 

@@ -54,6 +54,8 @@ def test_generate_ppd_equals_ar(tiny_ckpt, capsys):
     assert "ppd decodes greedily" in err
     err = one_line_error(generate_main, ["--firp-chains", "4", *argv], capsys)
     assert "--firp-chains applies to --method firp only" in err
+    err = one_line_error(generate_main, ["--sdsat-loop", "one-forward", *argv], capsys)
+    assert "--sdsat-loop applies to --method sdsat only" in err
 
 
 def test_generate_batch_json_lines(tiny_ckpt, capsys):
@@ -139,6 +141,9 @@ def test_bench_bad_questions(tmp_path, capsys):
     for row in ("medusa@searched-16/4", "firp@searched-16/x"):
         argv = ["--methods", row, "--questions", str(tmp_path / "q.jsonl")]
         assert f"{row}: /N (FIRP's pseudo chains" in one_line_error(bench_main, argv, capsys)
+    argv = ["--methods", "sdsat/three-forward", "--questions", str(tmp_path / "q.jsonl")]
+    err = one_line_error(bench_main, argv, capsys)
+    assert "sdsat/three-forward: an sdsat row's /LOOP is one of two-forward, one-forward" in err
     argv = ["--methods", "ar,ar@chain-2", "--questions", str(tmp_path / "q.jsonl")]
     assert "ar@chain-2: ar decodes without a draft tree" in one_line_error(bench_main, argv, capsys)
 

@@ -9,14 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.chains import chain_mask, joint_mask, pseudo_positions
 from jaxspec.decode import SpeculativeGenerator
-from jaxspec.drafters.firp import (
-    FirpDrafter,
-    chain_mask,
-    joint_mask,
-    pseudo_positions,
-    training_forward,
-)
+from jaxspec.drafters.firp import FirpDrafter, training_forward
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, init_params, run_layers

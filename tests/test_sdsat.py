@@ -12,16 +12,16 @@ from jaxspec.decode import SpeculativeGenerator, redraft
 from jaxspec.drafters.sdsat import SdsatDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
-from jaxspec.llama import embed, forward, run_layers
+from jaxspec.llama import embed, forward, lm_logits, run_layers
 from jaxspec.tree import TreeSpec, tree_preset
 from tests.conftest import tiny_training_args, train_on_made_up_conversations
 from tests.test_speculative import tiny
 from train.sdsat import span_layout, span_logits
 
 
-def random_sdsat(cfg, base_params, rank=3, n_ids=1, seed=0):
+def random_sdsat(cfg, base_params, rank=3, n_ids=1, seed=0, one_forward=False):
     """An adapter whose every weight (LoRA b included) is its initial value plus noise."""
-    drafter = SdsatDrafter(cfg, rank, n_ids)
+    drafter = SdsatDrafter(cfg, rank, n_ids, one_forward)
     leaves, treedef = jax.tree.flatten(drafter.init(base_params, jax.random.key(seed)))
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     noisy = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
@@ -109,6 +109,47 @@ def test_drafts_come_from_the_committed_cache():
     assert int(candidates[0, 0]) == ar[5]  # depth 1: the base model's own next token
 
 
+def test_one_forward_chains_draft_what_the_draft_step_drafts():
+    """The adaptive chain hung off token a inside one forward gives the draft step's
+    guesses for `current` = token a against a cache of the tokens before it, and the real
+    tokens' logits stay the plain forward's."""
+    cfg, params = tiny()
+    k = 3
+    drafter, dparams = random_sdsat(cfg, params, n_ids=2, one_forward=True)
+    S = 10
+    tokens = jax.random.randint(jax.random.key(5), (1, S), 0, cfg.vocab_size)
+    positions = jnp.arange(S)[None]
+    anchors = jnp.asarray([[2, 5, 9]])
+    h, block, _, chains = drafter.run_model(
+        params, dparams, cfg, embed(params, tokens), positions, None, causal_mask(1, S),
+        anchors, (), k,
+    )  # fmt: skip
+    plain, _, _ = forward(params, cfg, tokens, positions, None, causal_mask(1, S))
+    np.testing.assert_allclose(lm_logits(params, cfg, h), plain, atol=2e-4, rtol=2e-4)
+    assert block.keys[0].shape[2] == S  # only the real tokens' keys/values come back
+    for slot, a in enumerate([2, 5, 9]):
+        cache = init_cache(cfg, 1, 32)
+        _, prefix, _ = run_layers(params, cfg, embed(params, tokens[:, :a]),
+                                  jnp.arange(a)[None], None, causal_mask(1, a))  # fmt: skip
+        cache = commit(cache, prefix, jnp.asarray([a]))
+        drafted = drafter.draft_logits(params, dparams, cache, tokens[:, a], k)  # [1,1+k,V]
+        got = lm_logits(params, cfg, chains[:, slot])  # [1,k,V]
+        np.testing.assert_allclose(got, drafted[:, 1:], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
+@pytest.mark.parametrize("tree_name", ["chain-1", "chain-3", "comb-3-3"])
+def test_greedy_one_forward_decoding_equals_ar(name, tree_name):
+    cfg, params = tiny(name)
+    drafter, dparams = random_sdsat(cfg, params, n_ids=2, one_forward=True)
+    assert not drafter.drafts_from_cache
+    prompts = [[5, 6, 7, 8, 9], [3, 1, 4]]
+    ar = SpeculativeGenerator(cfg, params).generate_batch(prompts, 30)
+    gen = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset(tree_name))
+    got = gen.generate_batch(prompts, 30)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+
+
 def test_a_tree_without_depth_is_refused():
     cfg, params = tiny()
     drafter, dparams = random_sdsat(cfg, params)
@@ -156,6 +197,9 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
         assert [p for p in paths if len(p) == 1] == [[0]]
         gen = build_generator(model, "sdsat", out, tree=name)
         assert gen.generate(prompt, 24).token_ids == ar
+    one = build_generator(model, "sdsat", out, sdsat_loop="one-forward")
+    assert one.tree == tree_preset("chain-1") and one.drafter.one_forward  # not chain-3
+    assert one.generate(prompt, 24).token_ids == ar
 
 
 def test_sdsat_trees_spend_no_node_on_depth_one_alternatives():

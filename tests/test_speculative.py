@@ -165,13 +165,14 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
     """-> (drafter, its params): random guesses, FIRP with random maps (its pseudo chains
     join the verify forward, which must leave the verified logits alone), or a random
     Chimera (drafts from its own state carried between steps), or a random SDSAT adapter
-    (drafts from its own forward over the committed cache)."""
+    (drafts from its own forward over the committed cache; with one_forward, from adaptive
+    chains in the verify forward)."""
     if name == "random":
         return RandomDrafter(cfg.vocab_size), None
-    if name == "sdsat":
+    if name.startswith("sdsat"):  # sdsat-one-forward: chains in the verify step, like FIRP
         from tests.test_sdsat import random_sdsat
 
-        return random_sdsat(cfg, params)
+        return random_sdsat(cfg, params, one_forward=name == "sdsat-one-forward")
     if name == "chimera":
         from tests.test_chimera import random_chimera
 
@@ -194,6 +195,7 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
         ("chain-2", Sampling(1.0, top_p=0.9), "firp"),
         ("cpu-8", Sampling(0.8), "chimera"),
         ("comb-3-3", Sampling(1.0, top_p=0.95), "sdsat"),
+        ("comb-2-2", Sampling(0.9), "sdsat-one-forward"),
     ],
 )
 def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling, drafter_name):

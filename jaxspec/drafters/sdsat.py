@@ -13,6 +13,14 @@ x a b (a [in,r], b [r,out], b zero-initialised) on each linear map, applied only
 token is adaptive (jnp.where: ordinary positions compute exactly the base model's values).
 Adaptive token j uses embedding row min(j, n_ids - 1): n_ids = 1 is one id repeated (the
 paper's recommendation: any k works), n_ids > 1 the paper's "diverse" tokens.
+
+The one-forward loop (`one_forward`, ours, not the paper's): no separate draft step. In
+the verify step, every tree node anchors a chain of k adaptive tokens (jaxspec.chains:
+at the node's position + 1..k, seeing the node's path and their own chain, unseen by the
+tree), so the accepted node's chain comes out of the same forward. Its adaptive token j
+stands in for the token after the node (the bonus) and guesses the one j past it: the next
+tree's depth j, with k = the tree's depth. One forward per loop, but depth 1 is now a
+guess (the two-step loop gets it exactly from its draft step): at most k+1 tokens a loop.
 In mode (b) the adaptive ids are not in the model's vocabulary: the base lm_head scores
 the original vocabulary only, so a draft is always an ordinary token. Mode (a), the paper's
 full fine-tuning, extends the model's vocabulary instead (`extend_vocabulary`) and drafts
@@ -26,12 +34,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec.chains import joint_mask, pseudo_positions
 from jaxspec.config import LlamaConfig
 from jaxspec.decode import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
-from jaxspec.kv_cache import KVCache, causal_mask
+from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.layers import dense
-from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.llama import embed, final_norm, lm_logits, run_layers
 from jaxspec.tree import TreeSpec
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,7 +51,11 @@ class SdsatDrafter(Drafter):
     cfg: LlamaConfig  # the base model's
     rank: int = 16
     n_ids: int = 1
-    drafts_from_cache = True
+    one_forward: bool = False  # adaptive chains ride in the verify step (module docstring)
+
+    @property
+    def drafts_from_cache(self) -> bool:
+        return not self.one_forward
 
     def init(self, base_params, key) -> dict:
         """Embeddings start at the mean token embedding; LoRA a ~ N(0, 1/in), b = 0 (the
@@ -101,9 +114,44 @@ class SdsatDrafter(Drafter):
 
     def check_tree(self, tree: TreeSpec) -> None:
         if tree.max_depth < 1:
+            adaptive = "K" if self.one_forward else "K-1"
             raise JaxspecError(
-                "sdsat needs a tree of depth >= 1 (chain-K or comb-K-W: K-1 adaptive tokens)"
+                f"sdsat needs a tree of depth >= 1 (chain-K or comb-K-W: {adaptive} adaptive "
+                "tokens)"
             )
+
+    def run_model(
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
+    ):
+        """One-forward loop: the tree (or prompt) h [B,T,D] plus k = depth adaptive tokens
+        chained off every anchor [B,A] -> (last states [B,T,D], the T tokens' KVBlock,
+        collected states, adaptive last states [B,A,k,D]); the two-step loop: the plain
+        forward."""
+        if not self.one_forward or depth == 0:
+            return super().run_model(
+                params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
+            )  # fmt: skip
+        B, T, D = h.shape
+        A = anchors.shape[1]
+        adaptive_h = self.adaptive_embeddings(drafter_params, depth).astype(h.dtype)  # [k,D]
+        chains = jnp.broadcast_to(jnp.repeat(adaptive_h, A, axis=0), (B, depth * A, D))
+        pos = jnp.concatenate([positions, pseudo_positions(positions, anchors, depth)], axis=1)
+        adaptive = jnp.broadcast_to(jnp.arange(T + depth * A) >= T, (B, T + depth * A))
+        h, block, states = run_layers(
+            params, cfg, jnp.concatenate([h, chains], axis=1), pos, cache,
+            joint_mask(new_mask, anchors, depth), collect=collect,
+            linears=self.linears(drafter_params, adaptive),
+        )  # fmt: skip
+        block = KVBlock(
+            tuple(k[:, :, :T] for k in block.keys), tuple(v[:, :, :T] for v in block.values)
+        )
+        states = {i: x[:, :T] for i, x in states.items()}
+        drafted = h[:, T:].reshape(B, depth, A, D).transpose(0, 2, 1, 3)
+        return h[:, :T], block, states, drafted
+
+    def projected_rows(self, params, drafter_params, h, drafted, depth):
+        """One-forward loop: every node's adaptive chain, normed [B,T,k,D]."""
+        return None if drafted is None else final_norm(params, self.cfg, drafted)
 
     def draft_logits(self, params, dparams, cache: KVCache, current, k: int) -> jax.Array:
         """current [B] (next root, not in the cache) -> logits [B,1+k,V]: row 0 the base
@@ -125,8 +173,12 @@ class SdsatDrafter(Drafter):
         return tree_candidates(logits, tree)
 
     def propose(self, params, drafter_params, tree, inputs, key):
-        # Drafts come from draft_from_cache, after the commit.
-        return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)
+        if not self.one_forward or tree.n_nodes == 1:  # two-step: draft_from_cache drafts
+            return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)
+        logits = inputs.draft_logits  # [B,k,V] when the step projected the chains already
+        if logits is None:
+            logits = lm_logits(params, self.cfg, inputs.drafted)
+        return tree_candidates(logits, tree)
 
 
 def extend_vocabulary(cfg: LlamaConfig, params: dict, rows: jax.Array):
