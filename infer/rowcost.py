@@ -5,6 +5,9 @@ T = a verify step over a T-node tree), per weight dtype: what a tree may cost he
 
 `bfloat16-in-out` keeps bfloat16 weights in the stored [in,out] order instead of the
 [out,in] order decoding uses (`llama.compute_params`): the A/B behind that choice.
+`--sdsat [DIR]` adds, per dtype, the same forwards with an SDSAT adapter (default: the
+shipped one) acting on the second half of the rows (as in its one-forward loop: half tree
+rows, half adaptive rows).
 """
 
 from __future__ import annotations
@@ -20,17 +23,29 @@ import numpy as np
 
 from infer.common import DTYPES, load_model
 from jaxspec.kv_cache import causal_mask, init_cache
-from jaxspec.llama import compute_params, forward
+from jaxspec.llama import compute_params, embed, lm_logits, run_layers
 
 IN_OUT = "bfloat16-in-out"
 
 
-def forward_ms(cfg, params, rows: int, context: int, repeats: int) -> float:
-    """Median ms of one forward of `rows` new tokens after `context` committed ones."""
+def forward_ms(cfg, params, rows: int, context: int, repeats: int, adapter=None) -> float:
+    """Median ms of one forward (to the logits) of `rows` new tokens after `context`
+    committed ones; adapter: (SdsatDrafter, its params) acting on the last rows // 2."""
     cache = init_cache(cfg, 1, context + rows).replace(lengths=jnp.array([context], jnp.int32))
     tokens = jnp.ones((1, rows), jnp.int32)
     positions = context + jnp.arange(rows)[None]
-    run = jax.jit(lambda p, t, c: forward(p, cfg, t, positions, c, causal_mask(1, rows))[0])
+    linears = None
+    if adapter is not None:
+        drafter, dparams = adapter
+        linears = drafter.linears(dparams, jnp.arange(rows)[None] >= rows - rows // 2)
+
+    def forward(p, t, c):
+        h, _, _ = run_layers(
+            p, cfg, embed(p, t), positions, c, causal_mask(1, rows), linears=linears
+        )
+        return lm_logits(p, cfg, h)
+
+    run = jax.jit(forward)
     run = run.lower(params, tokens, cache).compile()
     for _ in range(3):
         run(params, tokens, cache).block_until_ready()
@@ -42,6 +57,17 @@ def forward_ms(cfg, params, rows: int, context: int, repeats: int) -> float:
     return 1e3 * float(np.median(times))
 
 
+def sdsat_adapter(model, params, folder: Path | None):
+    """The SDSAT adapter in `folder` (None: the shipped one), cast like `params`."""
+    from infer.common import DRAFTERS_DIR, make_drafter
+    from jaxspec.drafters.store import load_drafter
+
+    folder = folder or DRAFTERS_DIR / model.cfg.name / "sdsat"
+    settings, dparams = load_drafter(folder, "sdsat", model.cfg)
+    dtype = jax.tree.leaves(params)[0].dtype
+    return make_drafter("sdsat", model.cfg, settings), compute_params(dparams, dtype)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.rowcost", description=__doc__)
     p.add_argument("--dtype", nargs="+", choices=(*DTYPES, IN_OUT), default=["float32"])
@@ -49,6 +75,13 @@ def main(argv=None) -> None:
     p.add_argument("--model", type=Path, help="a jaxspec checkpoint (default: the default model)")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument(
+        "--sdsat",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="also time with an SDSAT adapter (DIR; default: the shipped one)",
+    )
     args = p.parse_args(argv)
     model = load_model(args.model)
     result = {"model": model.cfg.name, "device": jax.devices()[0].device_kind, "ms": {}}
@@ -61,6 +94,14 @@ def main(argv=None) -> None:
             rows: round(forward_ms(model.cfg, params, rows, args.context, args.repeats), 1)
             for rows in args.rows
         }
+        if args.sdsat is not None:
+            adapter = sdsat_adapter(model, params, Path(args.sdsat) if args.sdsat else None)
+            result["ms"][f"{dtype}+sdsat"] = {
+                rows: round(
+                    forward_ms(model.cfg, params, rows, args.context, args.repeats, adapter), 1
+                )
+                for rows in args.rows
+            }
     print(json.dumps(result, indent=2))
 
 

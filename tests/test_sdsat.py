@@ -202,6 +202,19 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     assert one.generate(prompt, 24).token_ids == ar
 
 
+def test_rowcost_times_forwards_with_the_adapter(trained_sdsat, capsys):
+    import json
+
+    from infer.rowcost import main as rowcost_main
+
+    out, _, _, ckpt = trained_sdsat
+    argv = ["--model", str(ckpt), "--rows", "1", "4", "--repeats", "1", "--sdsat", str(out)]
+    rowcost_main(argv)
+    got = json.loads(capsys.readouterr().out)
+    assert list(got["ms"]) == ["float32", "float32+sdsat"]
+    assert all(ms > 0 for row in got["ms"].values() for ms in row.values())
+
+
 def test_sdsat_trees_spend_no_node_on_depth_one_alternatives():
     from train.sdsat import sdsat_trees
 
