@@ -194,6 +194,11 @@ def build_generator(
     drafter = make_drafter(method, model.cfg, settings, sdsat_loop)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
     if method == "sdsat" and drafter.one_forward:  # the other trees are the two-step loop's
+        if tree in settings.get("trees", {}):
+            raise JaxspecError(
+                f"tree {tree!r} was searched for sdsat's two-step loop (its depth 1 is the "
+                "model's own token); with the one-forward loop pick a preset: chain-N, comb-D-W"
+            )
         settings = settings.get("one_forward", {"cpu_tree": CPU_TREE, "gpu_tree": CPU_TREE})
     spec = resolve_tree(tree or default_tree(settings), settings)
     if method == "firp":

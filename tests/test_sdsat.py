@@ -200,6 +200,8 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     one = build_generator(model, "sdsat", out, sdsat_loop="one-forward")
     assert one.tree == tree_preset("chain-1") and one.drafter.one_forward  # not chain-3
     assert one.generate(prompt, 24).token_ids == ar
+    with pytest.raises(JaxspecError, match="searched for sdsat's two-step loop"):
+        build_generator(model, "sdsat", out, tree="searched-4", sdsat_loop="one-forward")
 
 
 def test_rowcost_times_forwards_with_the_adapter(trained_sdsat, capsys):
