@@ -22,9 +22,9 @@ from jaxspec.tree import TreeSpec, tree_preset
 METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
 CPU_TREE = "chain-1"
-# SDSAT's loops: the paper's draft step then verify step, or adaptive chains in the verify
-# step (jaxspec.drafters.sdsat). The one-forward loop's trees: a drafter's
-# settings["one_forward"], else chain-1 (the faster of chain-1/2 on CPU; not measured on GPU).
+# SDSAT's loops: the paper's draft step then verify step (the default), or adaptive chains
+# in the verify step (jaxspec.drafters.sdsat), whose default tree is chain-1 (the faster of
+# chain-1/2 on CPU; not measured on GPU).
 SDSAT_LOOPS = ("two-forward", "one-forward")
 
 
@@ -116,10 +116,8 @@ def make_drafter(method: str, cfg: LlamaConfig, settings: dict, sdsat_loop: str 
     if method == "sdsat":
         from jaxspec.drafters.sdsat import SdsatDrafter
 
-        loop = sdsat_loop or settings.get("loop", SDSAT_LOOPS[0])
-        if loop not in SDSAT_LOOPS:
-            raise JaxspecError(f"unknown sdsat loop {loop!r}; use one of {', '.join(SDSAT_LOOPS)}")
-        return SdsatDrafter(cfg, settings["rank"], settings.get("n_ids", 1), loop == "one-forward")
+        one_forward = sdsat_loop == "one-forward"
+        return SdsatDrafter(cfg, settings["rank"], settings.get("n_ids", 1), one_forward)
     if method == "chimera":
         from jaxspec.drafters.chimera import ChimeraDrafter
 
@@ -199,7 +197,7 @@ def build_generator(
                 f"tree {tree!r} was searched for sdsat's two-step loop (its depth 1 is the "
                 "model's own token); with the one-forward loop pick a preset: chain-N, comb-D-W"
             )
-        settings = settings.get("one_forward", {"cpu_tree": CPU_TREE, "gpu_tree": CPU_TREE})
+        tree, settings = tree or CPU_TREE, {}
     spec = resolve_tree(tree or default_tree(settings), settings)
     if method == "firp":
         drafter = place_firp_chains(drafter, spec, settings, firp_chains)

@@ -67,7 +67,7 @@ def parse_args(argv=None):
         "--sdsat-loop",
         choices=SDSAT_LOOPS,
         help="sdsat: the paper's draft step then verify step (two forwards a loop), or "
-        "adaptive chains inside the verify step (one forward; default: the drafter's setting)",
+        "adaptive chains inside the verify step (one forward; default: two-forward)",
     )
     p.add_argument(
         "--dtype",

@@ -23,7 +23,7 @@ import numpy as np
 
 from infer.common import DTYPES, load_model
 from jaxspec.kv_cache import causal_mask, init_cache
-from jaxspec.llama import compute_params, embed, lm_logits, run_layers
+from jaxspec.llama import compute_params, embed, forward
 
 IN_OUT = "bfloat16-in-out"
 
@@ -34,18 +34,17 @@ def forward_ms(cfg, params, rows: int, context: int, repeats: int, adapter=None)
     cache = init_cache(cfg, 1, context + rows).replace(lengths=jnp.array([context], jnp.int32))
     tokens = jnp.ones((1, rows), jnp.int32)
     positions = context + jnp.arange(rows)[None]
-    linears = None
-    if adapter is not None:
+    mask = causal_mask(1, rows)
+    if adapter is None:
+        run = jax.jit(lambda p, t, c: forward(p, cfg, t, positions, c, mask)[0])
+    else:
         drafter, dparams = adapter
-        linears = drafter.linears(dparams, jnp.arange(rows)[None] >= rows - rows // 2)
-
-    def forward(p, t, c):
-        h, _, _ = run_layers(
-            p, cfg, embed(p, t), positions, c, causal_mask(1, rows), linears=linears
+        adaptive = jnp.arange(rows)[None] >= rows - rows // 2
+        run = jax.jit(
+            lambda p, t, c: drafter.adapted_logits(
+                p, dparams, embed(p, t), positions, c, mask, adaptive
+            )
         )
-        return lm_logits(p, cfg, h)
-
-    run = jax.jit(forward)
     run = run.lower(params, tokens, cache).compile()
     for _ in range(3):
         run(params, tokens, cache).block_until_ready()
@@ -57,15 +56,14 @@ def forward_ms(cfg, params, rows: int, context: int, repeats: int, adapter=None)
     return 1e3 * float(np.median(times))
 
 
-def sdsat_adapter(model, params, folder: Path | None):
-    """The SDSAT adapter in `folder` (None: the shipped one), cast like `params`."""
+def load_sdsat(model, folder: Path | None):
+    """-> (the SDSAT drafter in `folder` (None: the shipped one), its stored params)."""
     from infer.common import DRAFTERS_DIR, make_drafter
     from jaxspec.drafters.store import load_drafter
 
     folder = folder or DRAFTERS_DIR / model.cfg.name / "sdsat"
     settings, dparams = load_drafter(folder, "sdsat", model.cfg)
-    dtype = jax.tree.leaves(params)[0].dtype
-    return make_drafter("sdsat", model.cfg, settings), compute_params(dparams, dtype)
+    return make_drafter("sdsat", model.cfg, settings), dparams
 
 
 def main(argv=None) -> None:
@@ -84,6 +82,9 @@ def main(argv=None) -> None:
     )
     args = p.parse_args(argv)
     model = load_model(args.model)
+    sdsat = None
+    if args.sdsat is not None:  # "" (the flag alone): the shipped adapter
+        sdsat = load_sdsat(model, Path(args.sdsat) if args.sdsat else None)
     result = {"model": model.cfg.name, "device": jax.devices()[0].device_kind, "ms": {}}
     for dtype in args.dtype:
         if dtype == IN_OUT:
@@ -94,8 +95,9 @@ def main(argv=None) -> None:
             rows: round(forward_ms(model.cfg, params, rows, args.context, args.repeats), 1)
             for rows in args.rows
         }
-        if args.sdsat is not None:
-            adapter = sdsat_adapter(model, params, Path(args.sdsat) if args.sdsat else None)
+        if sdsat is not None:
+            drafter, dparams = sdsat
+            adapter = drafter, compute_params(dparams, jax.tree.leaves(params)[0].dtype)
             result["ms"][f"{dtype}+sdsat"] = {
                 rows: round(
                     forward_ms(model.cfg, params, rows, args.context, args.repeats, adapter), 1

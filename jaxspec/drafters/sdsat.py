@@ -127,7 +127,7 @@ class SdsatDrafter(Drafter):
         chained off every anchor [B,A] -> (last states [B,T,D], the T tokens' KVBlock,
         collected states, adaptive last states [B,A,k,D]); the two-step loop: the plain
         forward."""
-        if not self.one_forward or depth == 0:
+        if not self.one_forward:
             return super().run_model(
                 params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
             )  # fmt: skip
@@ -173,7 +173,7 @@ class SdsatDrafter(Drafter):
         return tree_candidates(logits, tree)
 
     def propose(self, params, drafter_params, tree, inputs, key):
-        if not self.one_forward or tree.n_nodes == 1:  # two-step: draft_from_cache drafts
+        if not self.one_forward:  # two-step: draft_from_cache drafts
             return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)
         logits = inputs.draft_logits  # [B,k,V] when the step projected the chains already
         if logits is None:
