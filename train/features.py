@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxspec.data.sources import sharegpt_split
+from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from train.selfdata import generate_answers
@@ -84,12 +84,12 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4) -> dict:
 def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
     """The base model's own greedy answers to n `split` prompts (train/selfdata.py), cached
     in `root` (the model's training folder, shared by every drafter's trainer)."""
-    name = f"self-{split}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    name = f"self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     return generate_answers(model, sharegpt_split(split), n, root / name, prompt_len, new_tokens)
 
 
 def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
     """Features of self_answers(...), cached beside them."""
     answers = self_answers(model, root, split, n, prompt_len, new_tokens)
-    name = f"features-self-{split}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    name = f"features-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     return extract_sequences(model, answers, root / name)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.data.sources import sharegpt_split
+from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.drafters.firp import FirpDrafter, apply_map, pseudo_forward, real_context
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
@@ -237,7 +237,7 @@ def train(argv) -> dict:
     start_time = time.perf_counter()
 
     def real_pass(split, n):
-        name = f"{split}-{n}-p{args.prompt_len}-n{args.new_tokens}"
+        name = f"{split_tag(split)}-{n}-p{args.prompt_len}-n{args.new_tokens}"
         answers = generate_answers(
             model, sharegpt_split(split), n, work.parent / f"self-{name}.npz",
             args.prompt_len, args.new_tokens,

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.data.sources import sharegpt_split
+from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
@@ -127,7 +127,7 @@ def train(argv) -> dict:
 
     def features(split, n):  # cached per (split, count, lengths): reruns reuse them
         if args.data == "sharegpt":
-            file = work / f"{split}-{n}x{args.seq_len}.npz"
+            file = work / f"{split_tag(split)}-{n}x{args.seq_len}.npz"
             return extract(model, sharegpt_split(split), n, args.seq_len, file)
         return answer_features(model, work.parent, split, n, args.prompt_len, args.new_tokens)
 

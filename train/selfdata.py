@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from jaxspec.data.sources import first_user_turn
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.text import encode_prompt
 
@@ -23,10 +24,7 @@ def first_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
     """Token ids of the first n usable first user turns of at most max_len tokens."""
     prompts = []
     for conversation in conversations:
-        turns = conversation.get("conversations") or []
-        if not turns or turns[0].get("from") not in ("human", "user"):
-            continue
-        text = turns[0].get("value", "").strip()
+        text = first_user_turn(conversation)
         if not text:
             continue
         ids = encode_prompt(tokenizer, text)

