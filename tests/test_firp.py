@@ -17,7 +17,7 @@ from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, init_params, run_layers
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, last_accepted_probability, tree_preset
-from tests.conftest import tiny_training_args
+from tests.conftest import tiny_training_args, train_on_made_up_conversations
 from tests.test_speculative import tiny
 
 
@@ -175,14 +175,14 @@ def test_bad_layers_and_trees_are_clear_errors():
 def trained_firp(tiny_ckpt, tmp_path_factory):
     """Two FIRP steps, 6 updates each: run to 8 updates, 'interrupt', resume to the end."""
     import train.firp as firp
-    from tests.test_medusa import conversations
 
     tmp = tmp_path_factory.mktemp("firp")
     common = [*tiny_training_args(tiny_ckpt[0], tmp), "--anchors", "8", "--layers", "1,2"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(firp, "sharegpt_split", lambda split: conversations(seed=len(split)))
-        first = firp.train([*common, "--steps", "4"])  # 2 x 4 updates, finished
-        second = firp.train([*common, "--steps", "6"])  # resumes at 8 of 12 (stage 2)
+    first, second = train_on_made_up_conversations(
+        firp,
+        [*common, "--steps", "4"],  # 2 x 4 updates, finished
+        [*common, "--steps", "6"],  # resumes at 8 of 12 (stage 2)
+    )
     return tmp / "out", first, second, tiny_ckpt[0]
 
 

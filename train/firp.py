@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.data.sources import sharegpt_split, split_tag
+from jaxspec.data.sources import split_tag
 from jaxspec.drafters.firp import FirpDrafter, apply_map, pseudo_forward, real_context
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
@@ -38,7 +38,7 @@ from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
 from train.args import trainer_parser
 from train.checkpoints import command_flags, resume, save
-from train.selfdata import generate_answers
+from train.features import self_answers
 
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
@@ -238,10 +238,7 @@ def train(argv) -> dict:
 
     def real_pass(split, n):
         name = f"{split_tag(split)}-{n}-p{args.prompt_len}-n{args.new_tokens}"
-        answers = generate_answers(
-            model, sharegpt_split(split), n, work.parent / f"self-{name}.npz",
-            args.prompt_len, args.new_tokens,
-        )  # fmt: skip
+        answers = self_answers(model, work.parent, split, n, args.prompt_len, args.new_tokens)
         tag = "-".join(map(str, pass_layers))
         return RealPassCache(model, answers, pass_layers, work / f"pass-{name}-t{tag}")
 

@@ -107,11 +107,8 @@ def split_tag(split: str) -> str:
 
 def sharegpt_test_questions() -> list[Question]:
     """First human turn of each test conversation that starts with one."""
-    return [
-        Question(c["id"], "sharegpt", (c["conversations"][0]["value"],))
-        for c in sharegpt_split("test")
-        if first_user_turn(c)
-    ]
+    turns = ((c["id"], first_user_turn(c)) for c in sharegpt_split("test"))
+    return [Question(cid, "sharegpt", (text,)) for cid, text in turns if text]
 
 
 HUMANEVAL_PROMPT = "Complete the following Python function.\n\n```python\n{}```"
