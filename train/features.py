@@ -58,21 +58,32 @@ def extract(model, conversations, n_seqs: int, seq_len: int, out: Path, batch: i
     return extract_sequences(model, {"tokens": tokens, "lengths": lengths}, out, batch)
 
 
-def extract_sequences(model, data: dict, out: Path, batch: int = 4) -> dict:
+def extract_sequences(model, data: dict, out: Path, batch: int = 4, reuse=()) -> dict:
     """data {"tokens" [N,T], "lengths" [N], ...} -> data + "hidden" [N,T,D] float16 and
-    "predicted" [N,T] (cached in `out`)."""
+    "predicted" [N,T] (cached in `out`). Rows whose tokens a `reuse` features file holds
+    are copied from it, not computed again."""
     out = Path(out)
     if out.is_file():
         return dict(np.load(out))
     tokens = data["tokens"]
     hidden = np.zeros((*tokens.shape, model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
-    for start in tqdm(range(0, len(tokens), batch), desc=f"features {out.stem}", unit="batch"):
-        chunk = tokens[start : start + batch]
-        pad = batch - len(chunk)
-        h, p = _features(model.params, np.pad(chunk, ((0, pad), (0, 0))), cfg=model.cfg)
-        hidden[start : start + len(chunk)] = np.asarray(h)[: len(chunk)]
-        predicted[start : start + len(chunk)] = np.asarray(p)[: len(chunk)]
+    todo = np.ones(len(tokens), bool)
+    for path in reuse:
+        done = np.load(path)
+        row_of = {row.tobytes(): i for i, row in enumerate(done["tokens"])}
+        pairs = [(i, row_of[r.tobytes()]) for i, r in enumerate(tokens) if r.tobytes() in row_of]
+        if pairs:
+            new, old = (np.array(ix) for ix in zip(*pairs, strict=True))
+            hidden[new], predicted[new] = done["hidden"][old], done["predicted"][old]
+            todo[new] = False
+    rows = np.flatnonzero(todo)
+    for start in tqdm(range(0, len(rows), batch), desc=f"features {out.stem}", unit="batch"):
+        idx = rows[start : start + batch]
+        pad = batch - len(idx)
+        h, p = _features(model.params, np.pad(tokens[idx], ((0, pad), (0, 0))), cfg=model.cfg)
+        hidden[idx] = np.asarray(h)[: len(idx)]
+        predicted[idx] = np.asarray(p)[: len(idx)]
     data = {**data, "hidden": hidden, "predicted": predicted}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial.npz")
@@ -81,15 +92,24 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4) -> dict:
     return data
 
 
+def _siblings(root: Path, prefix: str, split: str, prompt_len: int, new_tokens: int):
+    """Caches of the same kind, split and lengths for other prompt counts."""
+    return sorted(root.glob(f"{prefix}-{split_tag(split)}-*-p{prompt_len}-n{new_tokens}.npz"))
+
+
 def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
     """The base model's own greedy answers to n `split` prompts (train/selfdata.py), cached
     in `root` (the model's training folder, shared by every drafter's trainer)."""
     name = f"self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
-    return generate_answers(model, sharegpt_split(split), n, root / name, prompt_len, new_tokens)
+    reuse = _siblings(root, "self", split, prompt_len, new_tokens)
+    return generate_answers(
+        model, sharegpt_split(split), n, root / name, prompt_len, new_tokens, reuse=reuse
+    )
 
 
 def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
     """Features of self_answers(...), cached beside them."""
     answers = self_answers(model, root, split, n, prompt_len, new_tokens)
     name = f"features-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
-    return extract_sequences(model, answers, root / name)
+    reuse = _siblings(root, "features-self", split, prompt_len, new_tokens)
+    return extract_sequences(model, answers, root / name, reuse=reuse)

@@ -4,7 +4,7 @@ Drafters guess what the model will write, and a small model writes very differen
 the ChatGPT answers in ShareGPT, so drafters train best on the model's own text (Medusa-2's
 self-distillation). Each record is [chat-templated first user turn ; greedy answer]; `starts`
 marks where the answer begins. Batched generation; progress is saved after every batch and
-an interrupted run resumes.
+an interrupted run resumes; answers already cached for other prompt counts are reused.
 """
 
 from __future__ import annotations
@@ -35,14 +35,22 @@ def first_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
     return prompts
 
 
-def _pack(prompts, answers, seq_len) -> dict:
-    tokens = np.zeros((len(answers), seq_len), np.int32)
-    lengths = np.zeros(len(answers), np.int32)
-    for i, (p, a) in enumerate(zip(prompts, answers, strict=False)):
+def _pack(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> dict:
+    """[(prompt ids, answer ids)] -> {"tokens" [N,seq_len], "lengths" [N], "starts" [N]}."""
+    tokens = np.zeros((len(pairs), seq_len), np.int32)
+    lengths = np.zeros(len(pairs), np.int32)
+    for i, (p, a) in enumerate(pairs):
         seq = (p + a)[:seq_len]
         tokens[i, : len(seq)], lengths[i] = seq, len(seq)
-    starts = np.array([len(p) for p in prompts[: len(answers)]], np.int32)
+    starts = np.array([len(p) for p, _ in pairs], np.int32)
     return {"tokens": tokens, "lengths": lengths, "starts": starts}
+
+
+def _answers_by_prompt(path: Path) -> dict[tuple[int, ...], list[int]]:
+    """{prompt ids: answer ids} of a packed answers file."""
+    data = np.load(path)
+    rows = zip(data["tokens"], data["starts"], data["lengths"], strict=True)
+    return {tuple(row[:start].tolist()): row[start:end].tolist() for row, start, end in rows}
 
 
 def generate_answers(
@@ -53,30 +61,40 @@ def generate_answers(
     prompt_len: int = 128,
     new_tokens: int = 192,
     batch: int = 32,
+    reuse: Iterable[Path] = (),
 ) -> dict:
-    """{"tokens" [N,prompt_len+new_tokens], "lengths" [N], "starts" [N]}, cached in `out`."""
+    """{"tokens" [N,prompt_len+new_tokens], "lengths" [N], "starts" [N]}, cached in `out`.
+    Answers found in `reuse` (caches made with the same prompt_len and new_tokens) or in an
+    interrupted run's partial file are taken from there, not generated again."""
     out = Path(out)
     if out.is_file():
         return dict(np.load(out))
     partial = out.with_suffix(".partial.npz")
     prompts = first_turn_prompts(model.tokenizer, conversations, n, prompt_len)
     prompts.sort(key=len)  # similar lengths batch together: less padding, few shapes
-    answers: list[list[int]] = []
-    if partial.is_file():
-        done = np.load(partial)
-        rows = zip(done["tokens"], done["starts"], done["lengths"], strict=True)
-        answers = [tokens[start:end].tolist() for tokens, start, end in rows]
+    known: dict[tuple[int, ...], list[int]] = {}
+    for path in [*reuse, partial]:
+        if Path(path).is_file():
+            known.update(_answers_by_prompt(path))
+    answers = {tuple(p): known[tuple(p)] for p in prompts if tuple(p) in known}
+    missing = [p for p in prompts if tuple(p) not in answers]
     generator = SpeculativeGenerator(model.cfg, model.params)
     seq_len = prompt_len + new_tokens
     out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(prompts), initial=len(answers), desc=f"answers {out.stem}", unit="seq")
-    for start in range(len(answers), len(prompts), batch):
-        results = generator.generate_batch(prompts[start : start + batch], new_tokens)
-        answers += [r.token_ids for r in results]
-        np.savez(partial, **_pack(prompts, answers, seq_len))
+    bar = tqdm(
+        total=len(prompts),
+        initial=len(prompts) - len(missing),
+        desc=f"answers {out.stem}",
+        unit="seq",
+    )
+    for start in range(0, len(missing), batch):
+        chunk = missing[start : start + batch]
+        results = generator.generate_batch(chunk, new_tokens)
+        answers.update((tuple(p), r.token_ids) for p, r in zip(chunk, results, strict=True))
+        np.savez(partial, **_pack([(list(p), a) for p, a in answers.items()], seq_len))
         bar.update(len(results))
     bar.close()
-    data = _pack(prompts, answers, seq_len)
+    data = _pack([(p, answers[tuple(p)]) for p in prompts], seq_len)
     np.savez(out, **data)
     partial.unlink(missing_ok=True)
     return data

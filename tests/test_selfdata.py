@@ -1,0 +1,97 @@
+"""Self-distillation data: cached answers and features are resumed and reused, never made
+twice, and reuse gives what a fresh run gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from infer.common import load_model
+from jaxspec.decode import SpeculativeGenerator
+from tests.test_medusa import conversations
+from train.features import extract_sequences
+from train.selfdata import generate_answers
+
+SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return load_model(tiny_ckpt[0])
+
+
+@pytest.fixture
+def generated(monkeypatch):
+    """The prompts each generate_batch call receives, in order."""
+    calls = []
+    original = SpeculativeGenerator.generate_batch
+
+    def recording(self, prompts, *args, **kw):
+        calls.append([list(p) for p in prompts])
+        return original(self, prompts, *args, **kw)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate_batch", recording)
+    return calls
+
+
+def test_answers_for_more_prompts_reuse_a_smaller_cache(model, tmp_path, generated):
+    data = conversations(seed=3)
+    fresh = generate_answers(model, data, 7, tmp_path / "fresh-7.npz", **SETTINGS)
+    small = generate_answers(model, data, 4, tmp_path / "small-4.npz", **SETTINGS)
+    generated.clear()
+    grown = generate_answers(
+        model, data, 7, tmp_path / "grown-7.npz", reuse=[tmp_path / "small-4.npz"], **SETTINGS
+    )
+    made = [p for call in generated for p in call]
+    small_prompts = {tuple(t[:s]) for t, s in zip(small["tokens"], small["starts"], strict=True)}
+    assert len(made) == 3 and not small_prompts & {tuple(p) for p in made}
+    for key in ("tokens", "lengths", "starts"):
+        np.testing.assert_array_equal(grown[key], fresh[key])
+
+
+def test_interrupted_answers_resume_without_regenerating(model, tmp_path, generated):
+    data, out = conversations(seed=4), tmp_path / "answers.npz"
+    original = SpeculativeGenerator.generate_batch
+
+    def interrupt_after_one_batch(self, prompts, *args, **kw):
+        if generated:
+            raise KeyboardInterrupt
+        return original(self, prompts, *args, **kw)  # the recorder
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SpeculativeGenerator, "generate_batch", interrupt_after_one_batch)
+        with pytest.raises(KeyboardInterrupt):
+            generate_answers(model, data, 5, out, **SETTINGS)
+    assert out.with_suffix(".partial.npz").is_file() and not out.is_file()
+    generated.clear()
+    resumed = generate_answers(model, data, 5, out, **SETTINGS)
+    assert [len(call) for call in generated] == [2, 1]  # batches 2 and 3 of 2 + 2 + 1
+    fresh = generate_answers(model, data, 5, tmp_path / "fresh.npz", **SETTINGS)
+    np.testing.assert_array_equal(resumed["tokens"], fresh["tokens"])
+    assert not out.with_suffix(".partial.npz").exists()
+
+
+def test_features_reuse_rows_of_another_file(model, tmp_path, monkeypatch):
+    import train.features as features
+
+    answers = generate_answers(model, conversations(seed=5), 6, tmp_path / "a.npz", **SETTINGS)
+    first_four = {k: v[:4] for k, v in answers.items()}
+    extract_sequences(model, first_four, tmp_path / "features-4.npz", batch=2)
+    fresh = extract_sequences(model, answers, tmp_path / "features-6.npz", batch=2)
+
+    rows_computed = []
+    original = features._features
+
+    def counting(params, tokens, **kw):
+        rows_computed.append(tokens.shape[0])
+        return original(params, tokens, **kw)
+
+    monkeypatch.setattr(features, "_features", counting)
+    reused = extract_sequences(
+        model, answers, tmp_path / "grown.npz", batch=2, reuse=[tmp_path / "features-4.npz"]
+    )
+    assert rows_computed == [2]  # only rows 5 and 6
+    np.testing.assert_array_equal(reused["predicted"], fresh["predicted"])
+    np.testing.assert_allclose(
+        reused["hidden"].astype(np.float32), fresh["hidden"].astype(np.float32), atol=1e-2
+    )
