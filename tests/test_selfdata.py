@@ -49,6 +49,16 @@ def test_answers_for_more_prompts_reuse_a_smaller_cache(model, tmp_path, generat
         np.testing.assert_array_equal(grown[key], fresh[key])
 
 
+def test_a_repeated_prompt_is_answered_once(model, tmp_path, generated):
+    data = conversations(seed=6)
+    data.insert(3, {**data[1], "id": "repeat"})
+    answers = generate_answers(model, data, 5, tmp_path / "answers.npz", **SETTINGS)
+    made = [tuple(p) for call in generated for p in call]
+    assert len(made) == len(set(made)) == 4
+    rows = [tuple(t[:n]) for t, n in zip(answers["tokens"], answers["lengths"], strict=True)]
+    assert len(rows) == 5 and len(set(rows)) == 4
+
+
 def test_interrupted_answers_resume_without_regenerating(model, tmp_path, generated):
     data, out = conversations(seed=4), tmp_path / "answers.npz"
     original = SpeculativeGenerator.generate_batch

@@ -72,25 +72,26 @@ def generate_answers(
     partial = out.with_suffix(".partial.npz")
     prompts = first_turn_prompts(model.tokenizer, conversations, n, prompt_len)
     prompts.sort(key=len)  # similar lengths batch together: less padding, few shapes
+    unique = list(dict.fromkeys(map(tuple, prompts)))  # ShareGPT repeats prompts
     known: dict[tuple[int, ...], list[int]] = {}
     for path in [*reuse, partial]:
         if Path(path).is_file():
             known.update(_answers_by_prompt(path))
-    answers = {tuple(p): known[tuple(p)] for p in prompts if tuple(p) in known}
-    missing = [p for p in prompts if tuple(p) not in answers]
+    answers = {p: known[p] for p in unique if p in known}
+    missing = [p for p in unique if p not in answers]
     generator = SpeculativeGenerator(model.cfg, model.params)
     seq_len = prompt_len + new_tokens
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(
-        total=len(prompts),
-        initial=len(prompts) - len(missing),
+        total=len(unique),
+        initial=len(answers),
         desc=f"answers {out.stem}",
         unit="seq",
     )
     for start in range(0, len(missing), batch):
         chunk = missing[start : start + batch]
-        results = generator.generate_batch(chunk, new_tokens)
-        answers.update((tuple(p), r.token_ids) for p, r in zip(chunk, results, strict=True))
+        results = generator.generate_batch([list(p) for p in chunk], new_tokens)
+        answers.update((p, r.token_ids) for p, r in zip(chunk, results, strict=True))
         np.savez(partial, **_pack([(list(p), a) for p, a in answers.items()], seq_len))
         bar.update(len(results))
     bar.close()
