@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator, redraft
 from jaxspec.drafters.sdsat import SdsatDrafter
 from jaxspec.errors import JaxspecError
@@ -202,6 +203,27 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     assert one.generate(prompt, 24).token_ids == ar
     with pytest.raises(JaxspecError, match="searched for sdsat's two-step loop"):
         build_generator(model, "sdsat", out, tree="searched-4", sdsat_loop="one-forward")
+
+
+def test_init_starts_from_a_trained_sdsat_adapter(trained_sdsat, tmp_path):
+    """--init DIR: with lr 0 two steps keep that adapter's weights exactly (fresh LoRA b
+    would be zeros); an adapter of another rank is refused."""
+    import train.sdsat as sdsat
+    from jaxspec.drafters.store import load_drafter
+
+    out, _, _, ckpt = trained_sdsat
+    common = [*tiny_training_args(ckpt, tmp_path, lr=0), "--spans", "4", "--window", "3",
+              "--ids", "2", "--steps", "2", "--init", str(out)]  # fmt: skip
+    train_on_made_up_conversations(sdsat, [*common, "--rank", "2"])
+    cfg = load_checkpoint(ckpt)[0]
+    _, start = load_drafter(out, "sdsat", cfg)
+    _, after = load_drafter(tmp_path / "out", "sdsat", cfg)
+    assert float(jnp.abs(start["lora"][0]["q_proj"]["b"]).max()) > 0
+    jax.tree.map(np.testing.assert_array_equal, after, start)
+    card = (tmp_path / "out" / "CARD.md").read_text()
+    assert f"Started from the weights of the drafter then at `{out}`" in card
+    with pytest.raises(JaxspecError, match="do not fit the drafter these flags build"):
+        train_on_made_up_conversations(sdsat, [*common, "--rank", "3"])
 
 
 def test_rowcost_times_forwards_with_the_adapter(trained_sdsat, capsys):

@@ -41,7 +41,14 @@ from jaxspec.llama import embed, run_layers
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
 from train.args import trainer_parser
-from train.checkpoints import command_flags, resume_training, run_record, save
+from train.checkpoints import (
+    command_flags,
+    initial_params,
+    resume_training,
+    run_record,
+    save,
+    started_from,
+)
 from train.features import self_answers
 from train.optim import apply_grads, paper_schedule_adamw
 from train.sdsat_full import train_full
@@ -50,7 +57,7 @@ REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def parse_args(argv):
-    p = trainer_parser("sdsat", __doc__, train_seqs=800, steps=300, save_every=25)
+    p = trainer_parser("sdsat", __doc__, train_seqs=800, steps=300, save_every=25, can_init=True)
     p.add_argument(
         "--mode",
         choices=("adapter", "full"),
@@ -212,7 +219,8 @@ def train(argv) -> dict:
     out = args.out or REPO_DRAFTERS / cfg.name / "sdsat"
     drafter = SdsatDrafter(cfg, args.rank, args.ids)
     optimizer = paper_schedule_adamw(args.lr, args.steps)
-    params = drafter.init(model.params, jax.random.key(args.seed))
+    fresh = drafter.init(model.params, jax.random.key(args.seed))
+    params = initial_params(args, "sdsat", cfg, fresh)
     manager, state = resume_training(work, args, params, optimizer)
     first_step = int(state["step"])
     loss, per_depth = jnp.float32(0), jnp.zeros(args.window)
@@ -268,7 +276,7 @@ def card(args, cfg, report) -> str:
   lr {args.lr} (warm-up, cosine to lr/5, beta2 0.95); {report.get("train_minutes")}
   minutes of training on the machine that trained it.
 - Final training loss: {report.get("final_loss")} (per depth {report.get("final_loss_per_depth")})
-- Command: `jaxspec-train sdsat {command_flags(args)}`
+{started_from(args)}- Command: `jaxspec-train sdsat {command_flags(args)}`
 
 Test split ({args.test_seqs} ShareGPT test conversations, {test["spans"]} spans): top-1
 accuracy of adaptive token j against the base model's greedy token at depth j+1, and the
