@@ -265,9 +265,10 @@ def card(args, cfg, report) -> str:
     return f"""# SDSAT adapter (mode b) for {cfg.name}
 
 - {args.ids} adaptive token id(s) (input embeddings) and a rank-{args.rank} LoRA adapter
-  on every linear map of every layer ({", ".join(LORA_TARGETS)}), active only at
-  adaptive positions: the base model's outputs at ordinary tokens are untouched, and
-  verification uses the base model itself. Weights stored in float16.
+  on every linear map of every layer
+  ({", ".join(LORA_TARGETS)}),
+  active only at adaptive positions: the base model's outputs at ordinary tokens are
+  untouched, and verification uses the base model itself. Weights stored in float16.
 - Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
   ShareGPT train-split conversations (prompts <= {args.prompt_len} tokens, answers
   <= {args.new_tokens}).
