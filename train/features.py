@@ -72,7 +72,8 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4, reuse=()) ->
     for path in reuse:
         done = np.load(path)
         row_of = {row.tobytes(): i for i, row in enumerate(done["tokens"])}
-        pairs = [(i, row_of[r.tobytes()]) for i, r in enumerate(tokens) if r.tobytes() in row_of]
+        pairs = [(i, row_of[tokens[i].tobytes()]) for i in np.flatnonzero(todo)
+                 if tokens[i].tobytes() in row_of]  # fmt: skip
         if pairs:
             new, old = (np.array(ix) for ix in zip(*pairs, strict=True))
             hidden[new], predicted[new] = done["hidden"][old], done["predicted"][old]

@@ -82,12 +82,7 @@ def generate_answers(
     generator = SpeculativeGenerator(model.cfg, model.params)
     seq_len = prompt_len + new_tokens
     out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(
-        total=len(unique),
-        initial=len(answers),
-        desc=f"answers {out.stem}",
-        unit="seq",
-    )
+    bar = tqdm(total=len(unique), initial=len(answers), desc=f"answers {out.stem}", unit="seq")
     for start in range(0, len(missing), batch):
         chunk = missing[start : start + batch]
         results = generator.generate_batch([list(p) for p in chunk], new_tokens)
