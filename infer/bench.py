@@ -73,6 +73,7 @@ def parse_args(argv=None):
         "--temperature", type=float, default=0.0, help="0: greedy (match_ar is then exact)"
     )
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ppd-k", type=int, default=3, help="ppd rows: sub-processes")
     p.add_argument(
@@ -273,7 +274,7 @@ def _main(argv) -> None:
         return models[dtype]
 
     model = model_for("ar")
-    sampling = Sampling(args.temperature, top_p=args.top_p)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if not sampling.greedy and "hf" in methods:
         raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
 
@@ -317,6 +318,7 @@ def _main(argv) -> None:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "top_k": args.top_k,
         "dtype": args.dtype,
         "drafters": {m: str(folder) for m, folder in drafters.items()},
         "methods": overall,

@@ -44,22 +44,34 @@ class Sampling:
 
 
 def warped_logprobs(logits: jax.Array, s: Sampling) -> jax.Array:
-    """logits [..., V] -> log-probabilities [..., V], -inf outside the top-k/top-p support."""
+    """logits [..., V] -> log-probabilities [..., V], -inf outside the top-k/top-p support.
+
+    top-k keeps the k tokens jax.lax.top_k returns (the lower id first among equal logits);
+    the nucleus is then taken among them, so only k values are sorted, not V (with top_k
+    0, the whole vocabulary is sorted: on XLA:CPU a verify step's [T, V] sort costs more
+    than its forward)."""
     logits = logits.astype(jnp.float32) / s.temperature
     neg_inf = jnp.finfo(jnp.float32).min
     if s.top_k:
-        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, neg_inf, logits)
-    if s.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
-        # Keep a token while the mass strictly before it is below top_p (the first always).
-        keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < s.top_p
-        keep = jnp.put_along_axis(
-            jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False
+        values, ids = jax.lax.top_k(logits, s.top_k)  # [..., k], descending
+        if s.top_p < 1:
+            values = jnp.where(nucleus(values, s.top_p), values, neg_inf)
+        logits = jnp.put_along_axis(
+            jnp.full_like(logits, neg_inf), ids, values, axis=-1, inplace=False
         )
+    elif s.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        keep = nucleus(jnp.take_along_axis(logits, order, axis=-1), s.top_p)
+        keep = jnp.put_along_axis(jnp.zeros_like(keep), order, keep, axis=-1, inplace=False)
         logits = jnp.where(keep, logits, neg_inf)
     return jax.nn.log_softmax(logits, axis=-1)
+
+
+def nucleus(sorted_logits: jax.Array, top_p: float) -> jax.Array:
+    """sorted_logits [..., n] descending -> keep [..., n]: a token stays while the mass
+    strictly before it is below top_p (the first always)."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    return (jnp.cumsum(probs, axis=-1) - probs) < top_p
 
 
 def select_tokens(logits: jax.Array, keys: jax.Array, s: Sampling) -> jax.Array:

@@ -1,7 +1,8 @@
 """SDSAT reproduction on the default model (REPRODUCTION.md), one part per run:
 
     python -m repro.sdsat_study k          # Figs. 3-4: accept rate and tokens/s vs k (greedy)
-    python -m repro.sdsat_study sampling   # Table 4's nucleus rows: trees of depth k+1, top-W
+    python -m repro.sdsat_study sampling   # Figs. 3-4 / Table 4's nucleus rows: k = 5..13
+                                           # adaptive tokens, top-10 per position, top_k 10
     python -m repro.sdsat_study quality    # Table 1's question for mode (a): HumanEval pass@1
                                            # and ShareGPT test perplexity, before and after
     python -m repro.sdsat_study trees      # the shipped adapter's top-1..5 accuracy per depth
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer import bench
-from infer.common import load_model
+from infer.common import DTYPES, load_model
 from infer.humaneval import pass_at_1
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.data.sources import humaneval_problems, sharegpt_split
@@ -42,10 +43,18 @@ OUT = Path(__file__).resolve().parent / "results" / "sdsat"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m repro.sdsat_study", description=__doc__)
     p.add_argument("part", choices=sorted(PARTS))
-    p.add_argument("--ks", default="1,2,3,4,5,6,8,10,13", help="adaptive tokens per loop")
+    p.add_argument(
+        "--ks",
+        help="adaptive tokens per loop (default: k 1,2,3,4,5,6,8,10,13; sampling, as "
+        "the paper: 5,7,9,11,13)",
+    )
     p.add_argument("--limit", type=int, default=12, help="HumanEval prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--width", type=int, default=3, help="sampling trees: top-W per depth")
+    p.add_argument(
+        "--width", type=int, default=10, help="sampling trees: top-W per depth (paper: 10)"
+    )
+    p.add_argument("--top-k", type=int, default=10, help="sampling: top_k (paper: 10)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights of every row")
     p.add_argument("--full-model", type=Path, help="quality: the mode (a) checkpoint "
                    "(default: $JAXSPEC_HOME/models/<model>-sdsat-full)")  # fmt: skip
     p.add_argument("--problems", type=int, default=164, help="quality: HumanEval problems")
@@ -58,7 +67,8 @@ def run_bench(args, methods: list[str], name: str, extra: tuple[str, ...] = ()) 
     out = args.out / "bench" / f"{name}.json"
     bench._main([
         "--methods", ",".join(methods), "--questions", "humaneval", "--limit", str(args.limit),
-        "--max-new-tokens", str(args.max_new_tokens), "--out", str(out), *extra,
+        "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--out", str(out),
+        *extra,
     ])  # fmt: skip
     return json.loads(out.read_text())
 
@@ -78,7 +88,7 @@ def per_k(result: dict, ks: list[int], tree) -> dict:
 
 
 def part_k(args, model) -> dict:
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [int(k) for k in (args.ks or "1,2,3,4,5,6,8,10,13").split(",")]
     result = run_bench(args, ["ar"] + [f"sdsat@chain-{k + 1}" for k in ks], "k")
     summary = per_k(result, ks, lambda k: f"chain-{k + 1}")
     plot_k({"greedy": summary}, args.out / "k.png")
@@ -86,15 +96,15 @@ def part_k(args, model) -> dict:
 
 
 def part_sampling(args, model) -> dict:
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [int(k) for k in (args.ks or "5,7,9,11,13").split(",")]
     methods = ["ar"] + [f"sdsat@comb-{k + 1}-{args.width}" for k in ks]
     summaries = {}
     for temperature in (0.2, 1.0):
-        extra = ("--temperature", str(temperature), "--top-p", "0.95")
+        extra = ("--temperature", str(temperature), "--top-p", "0.95", "--top-k", str(args.top_k))
         result = run_bench(args, methods, f"sampling-t{temperature}", extra)
         summaries[f"t={temperature}"] = per_k(result, ks, lambda k: f"comb-{k + 1}-{args.width}")
     plot_k(summaries, args.out / "sampling.png")
-    return {"width": args.width, "top_p": 0.95, **summaries}
+    return {"width": args.width, "top_p": 0.95, "top_k": args.top_k, **summaries}
 
 
 def part_trees(args, model) -> dict:

@@ -169,6 +169,16 @@ def test_bench_refuses_sampling_for_the_greedy_peer(tiny_ckpt, tmp_path, capsys)
     assert "greedy only" in one_line_error(bench_main, argv, capsys)
 
 
+def test_bench_samples_with_top_k(tiny_ckpt, tmp_path, capsys):
+    (tmp_path / "q.jsonl").write_text('{"question_id": 1, "turns": ["w5 w6"]}\n')
+    argv = ["--methods", "ar", "--questions", str(tmp_path / "q.jsonl"), "--max-new-tokens",
+            "6", "--temperature", "1", "--model", str(tiny_ckpt[0])]  # fmt: skip
+    assert "--top-k must be >= 0" in one_line_error(bench_main, [*argv, "--top-k", "-1"], capsys)
+    out = tmp_path / "r.json"
+    run_ok(bench_main, [*argv, "--top-k", "3", "--out", str(out)], capsys)
+    assert json.loads(out.read_text())["top_k"] == 3
+
+
 def test_roofline_reports_a_fraction(capsys):
     from infer.roofline import main as roofline_main
 

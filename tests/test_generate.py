@@ -94,7 +94,14 @@ def test_sampling_is_reproducible(tiny):
 
 
 @pytest.mark.parametrize(
-    "s", [Sampling(0.7), Sampling(1.3, top_k=5), Sampling(1.0, top_p=0.8), Sampling(0.9, 7, 0.6)]
+    "s",
+    [
+        Sampling(0.7),
+        Sampling(1.3, top_k=5),
+        Sampling(1.0, top_p=0.8),
+        Sampling(0.9, 7, 0.6),
+        Sampling(0.2, 10, 0.95),  # SDSAT's sampling setting
+    ],
 )
 def test_warping_matches_hf_logits_processors(s):
     from transformers.generation.logits_process import (
@@ -113,6 +120,13 @@ def test_warping_matches_hf_logits_processors(s):
     ref = torch.softmax(scores, -1).numpy()
     ours = np.exp(np.asarray(warped_logprobs(jnp.asarray(logits), s)))
     np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+def test_top_k_keeps_exactly_k_tokens_lower_ids_first_among_equals():
+    logits = jnp.array([[1.0, 2.0, 2.0, 2.0, 0.0]])
+    for top_p in (1.0, 0.99):
+        probs = np.exp(np.asarray(warped_logprobs(logits, Sampling(1.0, 2, top_p))))[0]
+        np.testing.assert_allclose(probs, [0, 0.5, 0.5, 0, 0], atol=1e-6)
 
 
 def test_sampled_frequencies_follow_the_warped_distribution():
