@@ -38,6 +38,8 @@ from repro.plots import plot_topk, run_part
 from train.features import conversation_ids
 
 OUT = Path(__file__).resolve().parent / "results" / "sdsat"
+GREEDY_KS = "1,2,3,4,5,6,8,10,13"
+SAMPLING_KS = "5,7,9,11,13"  # the paper's nucleus sampling runs
 
 
 def parse_args(argv=None):
@@ -45,8 +47,8 @@ def parse_args(argv=None):
     p.add_argument("part", choices=sorted(PARTS))
     p.add_argument(
         "--ks",
-        help="adaptive tokens per loop (default: k 1,2,3,4,5,6,8,10,13; sampling, as "
-        "the paper: 5,7,9,11,13)",
+        help=f"adaptive tokens per loop (default: k {GREEDY_KS}; sampling, as the paper: "
+        f"{SAMPLING_KS})",
     )
     p.add_argument("--limit", type=int, default=12, help="HumanEval prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -88,7 +90,7 @@ def per_k(result: dict, ks: list[int], tree) -> dict:
 
 
 def part_k(args, model) -> dict:
-    ks = [int(k) for k in (args.ks or "1,2,3,4,5,6,8,10,13").split(",")]
+    ks = [int(k) for k in (args.ks or GREEDY_KS).split(",")]
     result = run_bench(args, ["ar"] + [f"sdsat@chain-{k + 1}" for k in ks], "k")
     summary = per_k(result, ks, lambda k: f"chain-{k + 1}")
     plot_k({"greedy": summary}, args.out / "k.png")
@@ -96,7 +98,7 @@ def part_k(args, model) -> dict:
 
 
 def part_sampling(args, model) -> dict:
-    ks = [int(k) for k in (args.ks or "5,7,9,11,13").split(",")]
+    ks = [int(k) for k in (args.ks or SAMPLING_KS).split(",")]
     methods = ["ar"] + [f"sdsat@comb-{k + 1}-{args.width}" for k in ks]
     summaries = {}
     for temperature in (0.2, 1.0):
