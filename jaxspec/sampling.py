@@ -13,6 +13,9 @@ import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
 
+NEG_INF = jnp.finfo(jnp.float32).min
+NUCLEUS_CANDIDATES = (256, 4096)  # top_p alone: the nucleus is sought among this many tokens
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -47,31 +50,77 @@ def warped_logprobs(logits: jax.Array, s: Sampling) -> jax.Array:
     """logits [..., V] -> log-probabilities [..., V], -inf outside the top-k/top-p support.
 
     top-k keeps the k tokens jax.lax.top_k returns (the lower id first among equal logits);
-    the nucleus is then taken among them, so only k values are sorted, not V (with top_k
-    0, the whole vocabulary is sorted: on XLA:CPU a verify step's [T, V] sort costs more
-    than its forward)."""
+    the nucleus is then taken among them, so only k values are sorted, not V. On XLA:CPU a
+    verify step's [T, V] sort costs more than its forward (~10 ms a row at V = 49152),
+    hence also `_keep_nucleus`."""
     logits = logits.astype(jnp.float32) / s.temperature
-    neg_inf = jnp.finfo(jnp.float32).min
     if s.top_k:
         values, ids = jax.lax.top_k(logits, s.top_k)  # [..., k], descending
         if s.top_p < 1:
-            values = jnp.where(nucleus(values, s.top_p), values, neg_inf)
-        logits = jnp.put_along_axis(
-            jnp.full_like(logits, neg_inf), ids, values, axis=-1, inplace=False
-        )
+            keep = nucleus(jax.nn.softmax(values, axis=-1), s.top_p)
+            values = jnp.where(keep, values, NEG_INF)
+        logits = _scatter(values, ids, like=logits)
     elif s.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1)
-        keep = nucleus(jnp.take_along_axis(logits, order, axis=-1), s.top_p)
-        keep = jnp.put_along_axis(jnp.zeros_like(keep), order, keep, axis=-1, inplace=False)
-        logits = jnp.where(keep, logits, neg_inf)
+        logits = _keep_nucleus(logits, s.top_p)
     return jax.nn.log_softmax(logits, axis=-1)
 
 
-def nucleus(sorted_logits: jax.Array, top_p: float) -> jax.Array:
-    """sorted_logits [..., n] descending -> keep [..., n]: a token stays while the mass
+def _scatter(values: jax.Array, ids: jax.Array, like: jax.Array) -> jax.Array:
+    """values, ids [..., n] -> [..., V] holding values at ids and -inf elsewhere."""
+    return jnp.put_along_axis(jnp.full_like(like, NEG_INF), ids, values, axis=-1, inplace=False)
+
+
+def _keep_nucleus(logits: jax.Array, top_p: float) -> jax.Array:
+    """logits [..., V] -> the same with -inf outside each row's nucleus (exact).
+
+    Row by row, the nucleus is sought among the top NUCLEUS_CANDIDATES tokens (only they
+    are sorted, by jax.lax.top_k), then among more, and the whole vocabulary is sorted
+    only for a row whose nucleus is wider still (a flat row at high temperature)."""
+    V = logits.shape[-1]
+    rows = logits.reshape(-1, V)
+    kept = jax.lax.map(lambda row: _row_nucleus(row, top_p), rows)
+    return kept.reshape(logits.shape)
+
+
+def _row_nucleus(row: jax.Array, top_p: float) -> jax.Array:
+    """row [V] -> row with -inf outside its nucleus, trying the candidate counts in turn."""
+    V = row.shape[0]
+    log_total = jax.nn.logsumexp(row)
+    attempt = _whole_vocabulary_nucleus(log_total, top_p)
+    for n in sorted((n for n in NUCLEUS_CANDIDATES if n < V), reverse=True):
+        attempt = _top_candidates_nucleus(n, log_total, top_p, otherwise=attempt)
+    return attempt(row)
+
+
+def _top_candidates_nucleus(n: int, log_total: jax.Array, top_p: float, otherwise):
+    """The nucleus among the row's top n tokens, or `otherwise` when it keeps all n (the
+    mass before the n-th is below top_p, so the nucleus may go on past it)."""
+
+    def attempt(row):
+        values, ids = jax.lax.top_k(row, n)  # [n], descending
+        keep = nucleus(jnp.exp(values - log_total), top_p)
+
+        def found(row):
+            return _scatter(jnp.where(keep, values, NEG_INF), ids, like=row)
+
+        return jax.lax.cond(keep[-1], otherwise, found, row)
+
+    return attempt
+
+
+def _whole_vocabulary_nucleus(log_total: jax.Array, top_p: float):
+    def attempt(row):
+        order = jnp.argsort(-row)  # stable: lower id first among equals, as top_k
+        keep = nucleus(jnp.exp(row[order] - log_total), top_p)
+        return jnp.where(jnp.zeros_like(keep).at[order].set(keep), row, NEG_INF)
+
+    return attempt
+
+
+def nucleus(sorted_probs: jax.Array, top_p: float) -> jax.Array:
+    """sorted_probs [..., n] descending -> keep [..., n]: a token stays while the mass
     strictly before it is below top_p (the first always)."""
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    return (jnp.cumsum(probs, axis=-1) - probs) < top_p
+    return (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p
 
 
 def select_tokens(logits: jax.Array, keys: jax.Array, s: Sampling) -> jax.Array:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from jaxspec import sampling
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
@@ -120,6 +121,24 @@ def test_warping_matches_hf_logits_processors(s):
     ref = torch.softmax(scores, -1).numpy()
     ours = np.exp(np.asarray(warped_logprobs(jnp.asarray(logits), s)))
     np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+def test_nucleus_among_top_candidates_or_whole_vocabulary_matches_hf(monkeypatch):
+    """top_p alone: each row's nucleus is sought among its top 2, then top 8 tokens, then the
+    whole vocabulary; rows below need each of the three (they keep 1, 5 and > 8 tokens)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (2, 8))
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(2, 3, 50)).astype(np.float32)
+    logits[:, 0, 7] = 10.0  # one token holds > 0.9 of the mass
+    logits[:, 1, 10:15] = 6.0  # five tokens hold it
+    ref = torch.softmax(TopPLogitsWarper(0.9)(None, torch.tensor(logits.reshape(6, 50))), -1)
+    ref = ref.numpy().reshape(2, 3, 50)
+    ours = np.exp(np.asarray(warped_logprobs(jnp.asarray(logits), Sampling(1.0, top_p=0.9))))
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+    kept = (ref[0] > 0).sum(-1)
+    assert kept[0] == 1 and kept[1] == 5 and kept[2] > 8, kept
 
 
 def test_top_k_keeps_exactly_k_tokens_lower_ids_first_among_equals():
