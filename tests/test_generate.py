@@ -123,11 +123,14 @@ def test_warping_matches_hf_logits_processors(s):
     np.testing.assert_allclose(ours, ref, atol=1e-6)
 
 
-def test_nucleus_among_top_candidates_or_whole_vocabulary_matches_hf(monkeypatch):
-    """top_p alone: each row's nucleus is sought among its top 2, then top 8 tokens, then the
-    whole vocabulary; rows below need each of the three (they keep 1, 5 and > 8 tokens)."""
+@pytest.mark.parametrize("sorting_is_slow", [True, False])
+def test_nucleus_among_top_candidates_or_whole_vocabulary_matches_hf(monkeypatch, sorting_is_slow):
+    """top_p alone: where sorting is slow (XLA:CPU) each row's nucleus is sought among its
+    top 2, then top 8 tokens, then the whole vocabulary, and rows below need each of the
+    three (they keep 1, 5 and > 8 tokens); elsewhere every row is sorted whole."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
+    monkeypatch.setattr(sampling, "_sorting_is_slow", lambda: sorting_is_slow)
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (2, 8))
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(2, 3, 50)).astype(np.float32)
