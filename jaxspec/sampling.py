@@ -7,7 +7,6 @@ reproduce exactly, so every decoder samples through it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +81,9 @@ def _keep_nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     if not _sorting_is_slow():
         return _sorted_nucleus(logits, top_p)
     V = logits.shape[-1]
-    kept = jax.lax.map(lambda row: _row_nucleus(row, top_p), logits.reshape(-1, V))
+    sizes = tuple(n for n in NUCLEUS_CANDIDATES if n < V)
+    rows = logits.reshape(-1, V)
+    kept = jax.lax.map(lambda row: _row_nucleus(row, jax.nn.logsumexp(row), top_p, sizes), rows)
     return kept.reshape(logits.shape)
 
 
@@ -99,30 +100,20 @@ def _sorted_nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     return jnp.where(keep, logits, NEG_INF)
 
 
-def _row_nucleus(row: jax.Array, top_p: float) -> jax.Array:
-    """row [V] -> row with -inf outside its nucleus, trying the candidate counts in turn."""
-    V = row.shape[0]
-    log_total = jax.nn.logsumexp(row)
-    attempt = functools.partial(_sorted_nucleus, top_p=top_p)
-    for n in sorted((n for n in NUCLEUS_CANDIDATES if n < V), reverse=True):
-        attempt = _top_candidates_nucleus(n, log_total, top_p, otherwise=attempt)
-    return attempt(row)
-
-
-def _top_candidates_nucleus(n: int, log_total: jax.Array, top_p: float, otherwise):
-    """The nucleus among the row's top n tokens, or `otherwise` when it keeps all n (the
-    mass before the n-th is below top_p, so the nucleus may go on past it)."""
-
-    def attempt(row):
-        values, ids = jax.lax.top_k(row, n)  # [n], descending
-        keep = nucleus(jnp.exp(values - log_total), top_p)
-
-        def found(row):
-            return _scatter(jnp.where(keep, values, NEG_INF), ids, like=row)
-
-        return jax.lax.cond(keep[-1], otherwise, found, row)
-
-    return attempt
+def _row_nucleus(row: jax.Array, log_total: jax.Array, top_p: float, sizes) -> jax.Array:
+    """row [V] -> row with -inf outside its nucleus, sought among its top sizes[0] tokens;
+    when it keeps all of them (the mass before the last is below top_p, so the nucleus may
+    go on past it), among the next size, and at the end among all V."""
+    if not sizes:
+        return _sorted_nucleus(row, top_p)
+    values, ids = jax.lax.top_k(row, sizes[0])  # [n], descending
+    keep = nucleus(jnp.exp(values - log_total), top_p)
+    return jax.lax.cond(
+        keep[-1],
+        lambda row: _row_nucleus(row, log_total, top_p, sizes[1:]),
+        lambda row: _scatter(jnp.where(keep, values, NEG_INF), ids, like=row),
+        row,
+    )
 
 
 def nucleus(sorted_probs: jax.Array, top_p: float) -> jax.Array:
