@@ -21,7 +21,6 @@ import numpy as np
 
 from infer.common import DRAFTERS_DIR, load_model
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.data.sources import split_tag
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import load_drafter
 from train import firp, medusa, ppd
@@ -48,10 +47,8 @@ def firp_accuracy(model, root: Path) -> dict:
     """top-1..5 per FIRP step [K,5] on the trainer's fixed test anchors."""
     settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
     layers = tuple(settings["layers"])
-    n = TEST_SEQS["firp"]
-    answers = self_answers(model, root, "test", n, PROMPT_LEN, NEW_TOKENS)
-    name = f"pass-{split_tag('test')}-{n}-p{PROMPT_LEN}-n{NEW_TOKENS}-t{'-'.join(map(str, layers))}"
-    cache = firp.RealPassCache(model, answers, layers, root / "firp" / name)  # the trainer's
+    cache = firp.real_pass(model, root / "firp", "test", TEST_SEQS["firp"], PROMPT_LEN,
+                           NEW_TOKENS, layers)  # fmt: skip
     accuracy = firp.evaluate(model, params["maps"], layers, cache)
     return {"layers": list(layers), "top1_5_per_step": rounded(accuracy)}
 

@@ -83,10 +83,7 @@ def work_dir_for_ablation(tag: str) -> Path:
 
 
 def test_pass(model, args, layers):
-    name = f"test-{args.test_seqs}-p128-n192"
-    answers = dict(np.load(work_dir(model).parent / f"self-{name}.npz"))
-    tag = "-".join(map(str, layers))
-    return firp_train.RealPassCache(model, answers, layers, work_dir(model) / f"pass-{name}-t{tag}")
+    return firp_train.real_pass(model, work_dir(model), "test", args.test_seqs, 128, 192, layers)
 
 
 def shipped(model, method):

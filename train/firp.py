@@ -222,6 +222,14 @@ def evaluate(model, maps, layers, cache: RealPassCache, variant="firp"):
     return hits / count
 
 
+def real_pass(model, work: Path, split: str, n: int, prompt_len: int, new_tokens: int, layers):
+    """The RealPassCache of the model's answers to n `split` prompts, in the FIRP work
+    folder `work` (the answers themselves are cached in its parent, shared by trainers)."""
+    answers = self_answers(model, work.parent, split, n, prompt_len, new_tokens)
+    name = f"{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}-t{'-'.join(map(str, layers))}"
+    return RealPassCache(model, answers, layers, work / f"pass-{name}")
+
+
 def train(argv) -> dict:
     args = parse_args(argv)
     model = load_model(args.model)
@@ -236,14 +244,11 @@ def train(argv) -> dict:
     out = args.out or REPO_DRAFTERS / cfg.name / "firp"
     start_time = time.perf_counter()
 
-    def real_pass(split, n):
-        name = f"{split_tag(split)}-{n}-p{args.prompt_len}-n{args.new_tokens}"
-        answers = self_answers(model, work.parent, split, n, args.prompt_len, args.new_tokens)
-        tag = "-".join(map(str, pass_layers))
-        return RealPassCache(model, answers, pass_layers, work / f"pass-{name}-t{tag}")
+    def pass_of(split, n):
+        return real_pass(model, work, split, n, args.prompt_len, args.new_tokens, pass_layers)
 
-    train_pass = real_pass("train", args.train_seqs)
-    test_pass = real_pass("test", args.test_seqs)
+    train_pass = pass_of("train", args.train_seqs)
+    test_pass = pass_of("test", args.test_seqs)
     low, high = valid_anchor_range(train_pass.data, K)
     usable = np.flatnonzero(high >= low)
 
