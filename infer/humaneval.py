@@ -1,18 +1,17 @@
 """HumanEval pass@1 (greedy) for a chat model: each problem's prompt is asked as a chat
 turn, the first Python block of the answer (or the whole answer) is completed into a
-program with the problem's tests, and the program runs in a separate Python process with
-a time limit: generated code never runs in this process."""
+program with the problem's tests, and the program runs in `infer.sandbox` (own session
+and temp dir, scrubbed environment, resource limits, no network where the kernel allows,
+not as root, nothing left running afterwards): generated code never runs in this process."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+import warnings
 
 from tqdm import tqdm
 
+from infer.sandbox import network_isolated, run_untrusted
 from jaxspec.data.sources import HUMANEVAL_PROMPT
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.text import encode_conversation
@@ -31,24 +30,16 @@ def program(problem: dict, answer: str) -> str:
 
 
 def passes(source: str, timeout_s: float = 10.0) -> bool:
-    """Run `source` in a fresh Python process (no site packages' side effects, own temp
-    dir); True when it exits 0 within the time limit."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "check.py"
-        path.write_text(source)
-        try:
-            done = subprocess.run(
-                [sys.executable, "-I", str(path)], cwd=tmp, capture_output=True,
-                timeout=timeout_s, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            return False
-    return done.returncode == 0
+    """Run `source` in the sandbox; True when it exits 0 within the time limit."""
+    result = run_untrusted(source, timeout_s)
+    return result.returncode == 0 and not result.timed_out
 
 
 def pass_at_1(model, problems: list[dict], max_new_tokens: int = 384, batch: int = 16) -> dict:
     """Greedy answers of `model` (a LoadedModel) to every problem, batched -> {"pass@1",
     "passed": [task ids]}."""
+    if not network_isolated():
+        warnings.warn("no network namespace: HumanEval programs reach the network", stacklevel=2)
     generator = SpeculativeGenerator(model.cfg, model.params)
     passed = []
     for start in tqdm(range(0, len(problems), batch), desc="humaneval", unit="batch"):

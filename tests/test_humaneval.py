@@ -1,4 +1,4 @@
-"""HumanEval checking: programs built from answers, run in a separate process."""
+"""HumanEval checking: programs built from answers, run in the sandbox."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ def test_program_takes_the_code_block_or_completes_the_prompt():
     assert program(PROBLEM, body).endswith("check(add)\n")
 
 
-def test_passes_runs_code_apart_with_a_time_limit():
+def test_passes_runs_code_in_the_sandbox_with_a_time_limit(monkeypatch):
     assert passes(program(PROBLEM, "    return a + b\n"))
     assert not passes(program(PROBLEM, "    return a - b\n"))
     assert not passes(program(PROBLEM, "    while True:\n        pass\n"), timeout_s=2)
     assert not passes("import sys\nsys.exit(3)\n")
+    monkeypatch.setenv("JAXSPEC_HUMANEVAL_SECRET", "x")
+    assert passes("import os\nassert 'JAXSPEC_HUMANEVAL_SECRET' not in os.environ\n")
