@@ -1,17 +1,18 @@
-"""jaxspec-convert [SRC] --out DIR [--to {jaxspec,hf}] [--if-missing]"""
+"""jaxspec-convert [SRC] --out DIR [--to {jaxspec,hf}] [--if-missing] [--overwrite]"""
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 from jaxspec.checkpoint import DEFAULT_MODEL_NAME, default_model_dir, is_checkpoint
-from jaxspec.cli import run_main
+from jaxspec.cli import ArgumentParser, run_main
+from jaxspec.errors import JaxspecError
+from jaxspec.outputs import check_output_dir
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="jaxspec-convert",
         description="Convert an HF folder (safetensors) or a .gguf file into a jaxspec "
         "checkpoint, or a jaxspec checkpoint back to HF (--to hf). With no SRC, converts "
@@ -24,6 +25,12 @@ def parse_args(argv=None):
     p.add_argument("--to", choices=("jaxspec", "hf"), default="jaxspec", help="output format")
     p.add_argument(
         "--if-missing", action="store_true", help="do nothing if OUT already holds a checkpoint"
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty OUT, replacing files of the same names (never allowed: "
+        "an OUT that is, holds or lies inside SRC)",
     )
     return p.parse_args(argv)
 
@@ -40,10 +47,13 @@ def _main(argv) -> None:
     src = args.src or packaged_gguf()
     out = args.out or (default_model_dir() if args.src is None else None)
     if out is None:
-        raise SystemExit("jaxspec-convert: error: --out DIR is required when SRC is given")
+        raise JaxspecError("--out DIR is required when SRC is given")
     if args.if_missing and args.to == "jaxspec" and is_checkpoint(out):
         print(f"checkpoint already at {out}")
         return
+    # The default model's folder is jaxspec's own cache: a conversion cut short is redone.
+    what = "--out" if args.out else "the model cache ($JAXSPEC_HOME)"
+    check_output_dir(out, [src], overwrite=args.overwrite or args.src is None, what=what)
     start = time.perf_counter()
     convert(src, out, args.to, name=None if args.src else DEFAULT_MODEL_NAME)
     print(f"converted {src} -> {out} ({args.to}) in {time.perf_counter() - start:.1f} s")

@@ -9,6 +9,7 @@ from checkpoints_convert.from_gguf import load_gguf
 from checkpoints_convert.hf import load_hf_folder, load_tokenizer, save_hf_folder
 from jaxspec.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
 from jaxspec.errors import JaxspecError
+from jaxspec.outputs import check_output_dir
 
 
 def load_any(src: Path):
@@ -27,7 +28,9 @@ def load_any(src: Path):
 
 
 def convert(src: Path, out: Path, to: str = "jaxspec", name: str | None = None) -> None:
-    """Convert src into out; `name` overrides the model name recorded in the config."""
+    """Convert src into out; `name` overrides the model name recorded in the config. `out`
+    may hold other files (the CLI asks for --overwrite then) but never src."""
+    check_output_dir(out, [src], overwrite=True)
     cfg, params, tokenizer = load_any(src)
     if name:
         cfg = dataclasses.replace(cfg, name=name)

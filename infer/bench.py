@@ -2,12 +2,12 @@
 
 Methods run interleaved question by question, so slow drifts of the machine hit all of
 them alike. Compilation and a warm-up generation per method are excluded from timing.
-Writes FILE.json, FILE.md (table) and FILE.png (plot).
+Writes FILE.json, FILE.md (table) and FILE.png (plot); an existing FILE is replaced only
+with --overwrite (the default FILE, bench_results.json, gets a free numbered name instead).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -29,18 +29,28 @@ from infer.common import (
     load_model,
     provide_devices,
 )
-from jaxspec.cli import run_main
+from jaxspec.cli import (
+    ArgumentParser,
+    nonnegative_int,
+    positive_int,
+    probability,
+    run_main,
+    seed,
+    temperature,
+)
 from jaxspec.data.sources import load_questions
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
+from jaxspec.outputs import atomic_path, check_output_file, write_text
 from jaxspec.sampling import Sampling
 from jaxspec.text import encode_conversation
 
 PEERS = ("hf",)
+DEFAULT_OUT = Path("bench_results.json")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__)
+    p = ArgumentParser(prog="jaxspec-bench", description=__doc__)
     p.add_argument(
         "--methods",
         default="ar",
@@ -54,9 +64,11 @@ def parse_args(argv=None):
         required=True,
         help="PATH.jsonl (Spec-Bench format), humaneval or sharegpt-test",
     )
-    p.add_argument("--limit", type=int, help="use the first N questions")
-    p.add_argument("--per-category", type=int, help="use the first N questions of each category")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=positive_int, help="use the first N questions")
+    p.add_argument(
+        "--per-category", type=positive_int, help="use the first N questions of each category"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--model", type=Path)
     p.add_argument(
         "--drafter",
@@ -65,17 +77,27 @@ def parse_args(argv=None):
         metavar="METHOD=DIR",
         help="METHOD's rows use the drafter in DIR instead of the shipped one (repeatable)",
     )
-    p.add_argument("--out", type=Path, default=Path("bench_results.json"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        help=f"results FILE.json; the table and plot go beside it as FILE.md and FILE.png "
+        f"(default: {DEFAULT_OUT}, or a numbered name when that exists)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the --out files when they exist"
+    )
     p.add_argument(
         "--single-turn", action="store_true", help="only the first turn of each question"
     )
     p.add_argument(
-        "--temperature", type=float, default=0.0, help="0: greedy (match_ar is then exact)"
+        "--temperature", type=temperature, default=0.0, help="0: greedy (match_ar is then exact)"
     )
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ppd-k", type=int, default=3, help="ppd rows: sub-processes")
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument(
+        "--top-k", type=nonnegative_int, default=0, help="sample among the k likeliest (0: all)"
+    )
+    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument("--ppd-k", type=positive_int, default=3, help="ppd rows: sub-processes")
     p.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -83,6 +105,31 @@ def parse_args(argv=None):
         help="weight dtype of every row; a row named METHOD:DTYPE (e.g. ar:float32) uses its own",
     )
     return p.parse_args(argv)
+
+
+def output_paths(out: Path | None, overwrite: bool) -> tuple[Path, Path, Path]:
+    """(FILE.json, FILE.md, FILE.png), checked before any work: writable, never a folder,
+    and no existing file replaced unless `overwrite`."""
+    if out is None:
+        out, n = DEFAULT_OUT, 1
+        while any(p.exists() for p in _derived(out)) and not overwrite:
+            n += 1
+            out = DEFAULT_OUT.with_name(f"{DEFAULT_OUT.stem}-{n}.json")
+    if out.suffix != ".json":
+        raise JaxspecError(
+            f"--out {out}: name the results .json file (e.g. {out.with_suffix('.json')}); the "
+            "table and plot are written beside it as .md and .png"
+        )
+    paths = _derived(out)
+    for path in paths:
+        check_output_file(path)
+        if path.exists() and not overwrite:
+            raise JaxspecError(f"{path} exists; pass --overwrite to replace it, or another --out")
+    return paths
+
+
+def _derived(out: Path) -> tuple[Path, Path, Path]:
+    return out, out.with_suffix(".md"), out.with_suffix(".png")
 
 
 def select(questions, limit, per_category):
@@ -244,12 +291,14 @@ def plot(result, path: Path) -> None:
     axes[1].set_ylabel("mean accepted tokens / step")
     fig.suptitle(f"{result['model']} on {result['questions']} ({result['machine']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
 def _main(argv) -> None:
     args = parse_args(argv)
+    out_json, out_md, out_png = output_paths(args.out, args.overwrite)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in PEERS:
@@ -324,13 +373,11 @@ def _main(argv) -> None:
         "methods": overall,
         "categories": categories,
     }
-    out = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
+    write_text(out_json, json.dumps(result, indent=2) + "\n")
+    write_text(out_md, markdown(result))
+    plot(result, out_png)
     print(markdown(result))
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    print(f"wrote {out_json}, {out_md}, {out_png}")
 
 
 def main(argv=None) -> None:

@@ -149,6 +149,23 @@ def place_firp_chains(drafter, tree: TreeSpec, settings: dict, n_chains: int | N
     return drafter.with_chains(tree, settings.get("test_topk_accuracy"), n_chains)
 
 
+def check_ppd_heads(params: dict, dim: int, folder: Path) -> None:
+    """A PPD drafter's params: {"heads": {"layerN": {"w" [D,D], "b" [D]}}}."""
+    want = {"w": (dim, dim), "b": (dim,)}
+    heads = params.get("heads") if isinstance(params, dict) else None
+    bad = [
+        name
+        for name, head in (heads or {}).items()
+        if not isinstance(head, dict)
+        or {k: getattr(v, "shape", None) for k, v in head.items()} != want
+    ]
+    if not heads or bad:
+        raise JaxspecError(
+            f"PPD heads in {folder} do not fit this model (each needs w [{dim},{dim}] and "
+            f"b [{dim}]{'; wrong: ' + ', '.join(bad) if bad else ', none found'}); retrain them"
+        )
+
+
 def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k, layer):
     """PPD with the shipped early-prediction head for `layer` when there is one (else the
     untrained early exit); layer None: the shipped default, else ceil(d/2)."""
@@ -161,6 +178,7 @@ def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k
     settings, heads = {}, {}
     if drafter_dir.is_dir():
         settings, params = load_drafter(drafter_dir, "ppd", model.cfg)
+        check_ppd_heads(params, model.cfg.dim, drafter_dir)
         heads = compute_params(params["heads"], model.weight_dtype)
     layer = layer or settings.get("default_layer") or (model.cfg.n_layers + 1) // 2
     head = heads.get(head_name(layer))
@@ -180,16 +198,25 @@ def build_generator(
     sdsat_loop: str | None = None,
 ) -> SpeculativeGenerator:
     check_method(method)
+    if sampling is not None:
+        sampling.check_vocabulary(model.cfg.vocab_size)
     if method == "ppd":
         return build_ppd(model, drafter_dir, sampling, max_len, ppd_k, ppd_layer)
     if method == "ar":
         return SpeculativeGenerator(model.cfg, model.params, sampling=sampling, max_len=max_len)
-    from jaxspec.drafters.store import load_drafter
+    from jaxspec.drafters.store import check_weights, load_drafter
 
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
     settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
+    try:
+        drafter = make_drafter(method, model.cfg, settings, sdsat_loop)
+    except (KeyError, TypeError, ValueError) as e:
+        raise JaxspecError(
+            f"the settings in {drafter_dir / 'drafter.json'} are incomplete or invalid "
+            f"({type(e).__name__}: {e}); retrain the drafter"
+        ) from None
+    check_weights(drafter, model.params, drafter_params, drafter_dir)
     drafter_params = compute_params(drafter_params, model.weight_dtype)
-    drafter = make_drafter(method, model.cfg, settings, sdsat_loop)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
     if method == "sdsat" and drafter.one_forward:  # the other trees are the two-step loop's
         if tree in settings.get("trees", {}):

@@ -3,7 +3,6 @@ Several prompts decode together as one batch (one JSON object per line with --js
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,7 +16,15 @@ from infer.common import (
     load_model,
     provide_devices,
 )
-from jaxspec.cli import run_main
+from jaxspec.cli import (
+    ArgumentParser,
+    nonnegative_int,
+    positive_int,
+    probability,
+    run_main,
+    seed,
+    temperature,
+)
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
@@ -26,7 +33,7 @@ ALL_METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="jaxspec-generate", description=__doc__)
+    p = ArgumentParser(prog="jaxspec-generate", description=__doc__)
     p.add_argument(
         "prompts",
         nargs="+",
@@ -45,21 +52,25 @@ def parse_args(argv=None):
         "--drafter", type=Path, help="drafter folder (default: the one shipped for the model)"
     )
     p.add_argument("--tree", help="tree preset (default: the method's, by backend)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="0: no top-k cut")
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument(
         "--typical",
         action="store_true",
         help="Medusa's typical acceptance (faster, NOT lossless: changes the output distribution)",
     )
-    p.add_argument("--ppd-k", type=int, default=3, help="ppd: sub-processes (needs k+1 devices)")
-    p.add_argument("--ppd-layer", type=int, help="ppd: early-prediction layer (>= half the depth)")
+    p.add_argument(
+        "--ppd-k", type=positive_int, default=3, help="ppd: sub-processes (needs k+1 devices)"
+    )
+    p.add_argument(
+        "--ppd-layer", type=positive_int, help="ppd: early-prediction layer (>= half the depth)"
+    )
     p.add_argument(
         "--firp-chains",
-        type=int,
+        type=nonnegative_int,
         help="firp: pseudo chains on the N tree nodes likeliest to end a step (0 = every "
         "node; default: the drafter's setting)",
     )
@@ -75,7 +86,9 @@ def parse_args(argv=None):
         help="weight dtype (default: as stored, float32); bfloat16 decodes faster on CPUs with "
         "AMX and GPUs, and is a slightly different model (README, Precision)",
     )
-    p.add_argument("--max-len", type=int, help="cache length limit (default: the model's context)")
+    p.add_argument(
+        "--max-len", type=positive_int, help="cache length limit (default: the model's context)"
+    )
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return p.parse_args(argv)
@@ -91,7 +104,7 @@ def _main(argv) -> None:
     if args.method == "ppd":
         provide_devices(args.ppd_k + 1)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)
-    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    prompts = [read_prompt(p) for p in args.prompts]
     model = load_model(args.model, args.dtype)
     prompt_ids = [encode_prompt(model.tokenizer, p, chat=not args.no_chat) for p in prompts]
     generator = build_generator(
@@ -127,6 +140,22 @@ def _main(argv) -> None:
     else:
         print()
         report(args.method, result)
+
+
+def read_prompt(arg: str) -> str:
+    """A prompt argument, or standard input for '-'; UTF-8 text either way."""
+    if arg == "-":
+        try:
+            return sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise JaxspecError(
+                f"standard input is not UTF-8 text (byte {e.start}); send UTF-8"
+            ) from None
+    try:
+        arg.encode("utf-8")  # undecodable argv bytes arrive as lone surrogates
+    except UnicodeEncodeError:
+        raise JaxspecError("a prompt is not UTF-8 text; pass UTF-8 (or '-' and stdin)") from None
+    return arg
 
 
 def check_options(args) -> None:

@@ -89,9 +89,23 @@ def load_params(path: Path, cfg: LlamaConfig, dtype=None) -> dict:
         raise JaxspecError(
             f"corrupt or unreadable weights {file} ({e}); delete the folder and convert again"
         ) from None
+    stored = {int(k.split(".")[1]) for k in flat if k.startswith("layers.")}
+    if stored != set(range(cfg.n_layers)):
+        raise JaxspecError(
+            f"{file} holds layers {_ranges(stored)} but {Path(path) / CONFIG_FILE} says "
+            f"n_layers={cfg.n_layers}; fix n_layers or convert the model again"
+        )
     params = unflatten_params({k: jnp.asarray(v, dtype) for k, v in flat.items()}, cfg.n_layers)
     check_params(params, cfg)
     return params
+
+
+def _ranges(indices: set[int]) -> str:
+    return (
+        f"0..{max(indices)}"
+        if indices == set(range(len(indices))) and indices
+        else str(sorted(indices))
+    )
 
 
 def load_checkpoint(path: Path, dtype=None) -> tuple[LlamaConfig, dict]:

@@ -51,6 +51,7 @@ class LlamaConfig:
     name: str = "llama"
 
     def __post_init__(self):
+        self._check_types()
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
@@ -59,6 +60,29 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise JaxspecError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def _check_types(self) -> None:
+        """Sizes are positive integers and constants positive numbers (a config edited by
+        hand fails here, in one line, not deep inside a compiled program)."""
+        sizes = (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "max_position",
+        )
+        for name in (*sizes, "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise JaxspecError(f"config {name} must be an integer, got {value!r}")
+            if value < (name != "head_dim"):
+                raise JaxspecError(f"config {name} must be positive, got {value}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise JaxspecError(f"config {name} must be a positive number, got {value!r}")
 
     @property
     def n_params(self) -> int:
@@ -110,6 +134,7 @@ class LlamaConfig:
             raise JaxspecError("Llama with attention/mlp biases is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise JaxspecError(f"unsupported activation {d['hidden_act']!r}; expected 'silu'")
+        _refuse_sliding_window(d)
         # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = rope.get("rope_theta", d.get("rope_theta")) or 10000.0
@@ -169,6 +194,21 @@ class LlamaConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+
+def _refuse_sliding_window(d: dict[str, Any]) -> None:
+    """A model that attends only to the last `sliding_window` tokens (Mistral v0.1) differs
+    from full attention once a sequence passes the window; until the window is implemented
+    such a model is refused rather than converted into a different one."""
+    window = d.get("sliding_window")
+    context = d.get("max_position_embeddings", 4096)
+    if window is None or d.get("use_sliding_window") is False or window >= context:
+        return
+    raise JaxspecError(
+        f"this model attends within a sliding window of {window} tokens, shorter than its "
+        f"context of {context}; jaxspec does not implement sliding-window attention yet, so it "
+        "would generate other tokens past the window: use a model without one"
+    )
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling:

@@ -7,6 +7,7 @@ reproduce exactly, so every decoder samples through it.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +33,10 @@ class Sampling:
     typical: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise JaxspecError(f"--temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise JaxspecError(
+                f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise JaxspecError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -44,6 +47,13 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        if self.top_k > vocab_size:
+            raise JaxspecError(
+                f"--top-k {self.top_k} exceeds the vocabulary ({vocab_size} tokens); use at "
+                f"most {vocab_size}, or 0 for no top-k cut"
+            )
 
 
 def warped_logprobs(logits: jax.Array, s: Sampling) -> jax.Array:

@@ -28,6 +28,7 @@ from jaxspec.errors import JaxspecError
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
     paths: tuple[tuple[int, ...], ...]  # sorted by (depth, ranks); the root is implicit
+    name: str = dataclasses.field(default="", compare=False)  # a preset's; not in hash/eq
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreeSpec:
@@ -58,6 +59,18 @@ class TreeSpec:
     @property
     def n_nodes(self) -> int:
         return len(self.paths) + 1
+
+    @property
+    def width(self) -> int:
+        """The most guesses any node takes from one distribution: the top-k it needs."""
+        return int(self.rank.max()) + 1
+
+    @property
+    def label(self) -> str:
+        """How messages name the tree: `name (T nodes)`, or `a T-node tree`."""
+        return f"tree {self.name} ({self.n_nodes} nodes)" if self.name else (
+            f"a {self.n_nodes}-node tree"
+        )
 
     @property
     def max_depth(self) -> int:
@@ -204,13 +217,13 @@ PRESETS = {
 
 
 def tree_preset(name: str) -> TreeSpec:
-    """A preset, `chain-N` (any N >= 1) or `comb-N-W` (TreeSpec.comb(N, W))."""
+    """A preset, `chain-N` (any N >= 1) or `comb-N-W` (TreeSpec.comb(N, W)), named `name`."""
     if name in PRESETS:
-        return PRESETS[name]
+        return dataclasses.replace(PRESETS[name], name=name)
     if m := re.fullmatch(r"chain-([1-9][0-9]*)", name):
-        return TreeSpec.chain(int(m[1]))
+        return dataclasses.replace(TreeSpec.chain(int(m[1])), name=name)
     if m := re.fullmatch(r"comb-([1-9][0-9]*)-([1-9][0-9]*)", name):
-        return TreeSpec.comb(int(m[1]), int(m[2]))
+        return dataclasses.replace(TreeSpec.comb(int(m[1]), int(m[2])), name=name)
     raise JaxspecError(
         f"unknown tree {name!r}; known: {', '.join(PRESETS)}, chain-N, comb-DEPTH-WIDTH"
     )

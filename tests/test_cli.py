@@ -82,7 +82,7 @@ def test_generate_streams_text(tiny_ckpt, capsys):
         (["--method", "nope", "w5"], "unknown or not yet available method 'nope'"),
         (["--max-len", "16", "w5 " * 20], "exceeds the cache of 16 positions"),
         (["   "], "empty prompt"),
-        (["--top-p", "0", "w5"], "--top-p must be in (0, 1]"),
+        (["--top-p", "0", "w5"], "argument --top-p: must be in (0, 1]"),
         (["--tree", "chain-2", "w5"], "--tree picks a draft tree; --method ar has none"),
         (["--method", "ppd", "--tree", "chain-2", "w5"], "--method ppd has none"),
         (["--drafter", "d", "w5"], "--drafter applies to speculative methods"),
@@ -173,7 +173,7 @@ def test_bench_samples_with_top_k(tiny_ckpt, tmp_path, capsys):
     (tmp_path / "q.jsonl").write_text('{"question_id": 1, "turns": ["w5 w6"]}\n')
     argv = ["--methods", "ar", "--questions", str(tmp_path / "q.jsonl"), "--max-new-tokens",
             "6", "--temperature", "1", "--model", str(tiny_ckpt[0])]  # fmt: skip
-    assert "--top-k must be >= 0" in one_line_error(bench_main, [*argv, "--top-k", "-1"], capsys)
+    assert "argument --top-k: must be 0 or more" in one_line_error(bench_main, [*argv, "--top-k", "-1"], capsys)
     out = tmp_path / "r.json"
     run_ok(bench_main, [*argv, "--top-k", "3", "--out", str(out)], capsys)
     assert json.loads(out.read_text())["top_k"] == 3

@@ -132,18 +132,29 @@ def spec_bench_questions(path: Path) -> list[Question]:
     path = Path(path)
     if not path.is_file():
         raise JaxspecError(f"no question file at {path}; pass a Spec-Bench-format .jsonl path")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise JaxspecError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            q = json.loads(line)
-            out.append(Question(str(q["question_id"]), q.get("category", "all"), tuple(q["turns"])))
+            out.append(_spec_bench_question(json.loads(line)))
         except (ValueError, KeyError, TypeError) as e:
             raise JaxspecError(
-                f"{path}:{n} is not a Spec-Bench question (needs question_id and turns): {e!r}"
+                f"{path}:{n} is not a Spec-Bench question (needs question_id and turns, a "
+                f"non-empty list of strings): {e}"
             ) from None
     return out
+
+
+def _spec_bench_question(q: dict) -> Question:
+    turns = q["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise TypeError(f"turns is {json.dumps(turns)[:60]}")
+    return Question(str(q["question_id"]), str(q.get("category", "all")), tuple(turns))
 
 
 def load_questions(source: str) -> list[Question]:

@@ -144,7 +144,7 @@ class ChimeraDrafter(Drafter):
     def collect(self) -> tuple[int, ...]:
         return (self.cfg.n_layers,)
 
-    def init(self, base_params) -> dict:
+    def init(self, base_params, key=None) -> dict:
         D, n = self.cfg.dim, self.ngram
         eye = jnp.eye(D)
         head_w = jnp.concatenate([eye, eye]) if self.residual else eye

@@ -65,8 +65,9 @@ class FirpDrafter(Drafter):
     def n_steps(self) -> int:
         return len(self.layers)
 
-    def init(self) -> dict:
-        """Identity maps: before training a pseudo state starts as a copy of its anchor."""
+    def init(self, base_params=None, key=None) -> dict:
+        """Identity maps: before training a pseudo state starts as a copy of its anchor (the
+        arguments, which other drafters' init uses, are not needed)."""
         D = self.cfg.dim
         return {"maps": [{"w": jnp.eye(D), "b": jnp.zeros((D,))} for _ in self.layers]}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError
@@ -67,6 +68,52 @@ def save_drafter(out: Path, method: str, settings: dict, params, base: LlamaConf
     (out / "CARD.md").write_text(card)
 
 
+def read_meta(file: Path) -> dict:
+    """drafter.json as a dict with a `settings` dict; else a one-line error naming the file."""
+    try:
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise JaxspecError(f"{file} is not valid JSON ({e}); retrain the drafter") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("settings"), dict):
+        raise JaxspecError(
+            f'{file} has no "settings" object; it is not a jaxspec drafter: retrain it'
+        )
+    return meta
+
+
+def check_weights(drafter, base_params, params, path: Path) -> None:
+    """The stored tensors are exactly those `drafter.init` makes, in its shapes; else one
+    error listing what is missing, unexpected or misshapen."""
+    want = _shapes(jax.eval_shape(drafter.init, base_params, jax.random.key(0)))
+    have = _shapes(params)
+    problems = [f"missing {k}" for k in want if k not in have]
+    problems += [f"unexpected {k}" for k in have if k not in want]
+    problems += [
+        f"{k} has shape {have[k]}, expected {want[k]}"
+        for k in want
+        if k in have and have[k] != want[k]
+    ]
+    if problems:
+        shown = "; ".join(problems[:6]) + (
+            f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""
+        )
+        raise JaxspecError(
+            f"drafter weights {path / WEIGHTS} do not fit its settings and this model: {shown}; "
+            "retrain the drafter"
+        )
+
+
+def _shapes(tree) -> dict[str, tuple[int, ...]]:
+    """Flat dotted name (the names `flatten` stores) -> shape."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        ".".join(
+            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
+        ): tuple(leaf.shape)
+        for path, leaf in leaves
+    }
+
+
 def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32):
     """-> (settings, params). Clear errors for missing, corrupt or mismatched drafters."""
     path = Path(path)
@@ -75,7 +122,7 @@ def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32):
             f"no drafter at {path} (needs {META} and {WEIGHTS}); train one with "
             f"`jaxspec-train {method}` or pass --drafter DIR"
         )
-    meta = json.loads((path / META).read_text())
+    meta = read_meta(path / META)
     if meta.get("method") != method:
         raise JaxspecError(f"{path} holds a {meta.get('method')!r} drafter, not {method!r}")
     want, have = fingerprint(base), meta.get("base_model", {})

@@ -1,0 +1,347 @@
+"""Hostile and careless inputs to jaxspec-generate, jaxspec-bench and jaxspec-convert, run
+through the installed tools: each ends in one `error:` line (exit 2), never a traceback,
+and the cases that could lose data leave the user's files byte-identical. (Training's
+cases: test_bad_inputs_train.py; decoding limits: test_bad_inputs_decode.py.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.checkpoint import CONFIG_FILE, load_checkpoint
+from jaxspec.cli import run_main
+from jaxspec.drafters.store import META, WEIGHTS, save_drafter
+from tests.cli_harness import Case, run_case
+
+PROMPT = "w5 w9 w7"
+
+
+def copy_ckpt(folder: Path, ckpt: Path, **config) -> None:
+    """folder/m: the tiny checkpoint with `config` written over its jaxspec.json."""
+    shutil.copytree(ckpt, folder / "m")
+    cfg = json.loads((folder / "m" / CONFIG_FILE).read_text())
+    (folder / "m" / CONFIG_FILE).write_text(json.dumps({**cfg, **config}))
+
+
+def write(name: str, data: bytes | str):
+    def setup(folder: Path, ckpt: Path) -> None:
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data.encode() if isinstance(data, str) else data)
+
+    return setup
+
+
+def questions(*lines) -> Callable:
+    return write("q.jsonl", "\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def gen(*args):
+    """jaxspec-generate on the tiny checkpoint."""
+    return lambda folder, ckpt: ["--model", ckpt, *args]
+
+
+def bench(*args):
+    return lambda folder, ckpt: ["--model", ckpt, "--questions", folder / "q.jsonl", *args]
+
+
+# -- drafters that do not fit: each method's init, then one tensor dropped or misshapen --
+
+SETTINGS = {
+    "medusa": {"n_heads": 2},
+    "firp": {"layers": [1, 2]},
+    "chimera": {"n_heads": 2},
+    "sdsat": {"rank": 2},
+}
+
+
+def _initial_drafter(method: str, ckpt: Path):
+    from infer.common import make_drafter
+
+    cfg, params = load_checkpoint(ckpt)
+    drafter = make_drafter(method, cfg, SETTINGS[method])
+    return cfg, drafter.init(params, jax.random.key(0))
+
+
+def _first_leaf_parent(tree):
+    """(dict, key) of the first array leaf, depth first."""
+    while True:
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        key, value = next(iter(items))
+        if isinstance(value, (dict, list)):
+            tree = value
+        else:
+            return tree, key
+
+
+def bad_drafter(method: str, damage: str):
+    def setup(folder: Path, ckpt: Path) -> None:
+        cfg, params = _initial_drafter(method, ckpt)
+        parent, key = _first_leaf_parent(params)
+        if damage == "missing":
+            del parent[key]
+        else:
+            parent[key] = np.zeros((3, 5), np.float32)
+        save_drafter(folder / "d", method, SETTINGS[method], params, cfg, "card")
+
+    return setup
+
+
+def bad_ppd_heads(folder: Path, ckpt: Path) -> None:
+    cfg, _ = load_checkpoint(ckpt)
+    heads = {"layer1": {"w": np.zeros((cfg.dim, 3), np.float32), "b": np.zeros(cfg.dim)}}
+    save_drafter(folder / "d", "ppd", {"default_layer": 1}, {"heads": heads}, cfg, "card")
+
+
+def drafter_files(meta: str):
+    def setup(folder: Path, ckpt: Path) -> None:
+        write(f"d/{META}", meta)(folder, ckpt)
+        write(f"d/{WEIGHTS}", b"")(folder, ckpt)
+
+    return setup
+
+
+def with_drafter(method: str, *args):
+    return lambda folder, ckpt: ["--model", ckpt, "--method", method, "--drafter", folder / "d",
+                                 *args, PROMPT]  # fmt: skip
+
+
+def hf_config(**changes):
+    """folder/hf: an HF config.json of a tiny Llama with `changes` (weights are read after
+    the config, so none are needed to be refused)."""
+    base = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 101,
+            "hidden_size": 48, "intermediate_size": 83, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu"}  # fmt: skip
+    return write("hf/config.json", json.dumps({**base, **changes}))
+
+
+def ckpt_copy(folder: Path, ckpt: Path) -> None:
+    shutil.copytree(ckpt, folder / "m")
+
+
+def nonempty_out(folder: Path, ckpt: Path) -> None:
+    write("out/notes.txt", "mine")(folder, ckpt)
+
+
+CASES = [
+    # silently wrong results become errors
+    Case("temperature-nan", "generate", gen("--temperature", "nan", PROMPT), "finite"),
+    Case("temperature-inf", "generate", gen("--temperature", "inf", PROMPT), "finite"),
+    Case("temperature-negative", "generate", gen("--temperature", "-1", PROMPT), "greedy"),
+    Case("top-p-zero", "generate", gen("--temperature", "1", "--top-p", "0", PROMPT), "(0, 1]"),
+    Case("max-new-tokens-zero", "generate", gen("--max-new-tokens", "0", PROMPT), "at least 1"),
+    Case("turns-string", "bench", bench(), "turns", questions({"question_id": 1, "turns": "hi"})),
+    Case("turns-empty", "bench", bench(), "turns", questions({"question_id": 1, "turns": []})),
+    Case("limit-zero", "bench", bench("--limit", "0"), "--limit", questions()),
+    Case("limit-negative", "bench", bench("--limit", "-2"), "--limit", questions()),
+    Case("per-category-zero", "bench", bench("--per-category", "0"), "--per-category"),
+    Case(
+        "mistral-sliding-window",
+        "convert",
+        lambda f, c: [f / "hf", "--out", f / "o"],
+        "sliding window",
+        hf_config(sliding_window=16),
+    ),
+    # one line, never a traceback
+    Case(
+        "n-layers-below-weights",
+        "generate",
+        lambda f, c: ["--model", f / "m", PROMPT],
+        "n_layers=1",
+        lambda f, c: copy_ckpt(f, c, n_layers=1),
+    ),
+    Case(
+        "n-layers-not-integer",
+        "generate",
+        lambda f, c: ["--model", f / "m", PROMPT],
+        "n_layers must be an integer",
+        lambda f, c: copy_ckpt(f, c, n_layers="two"),
+    ),
+    Case(
+        "drafter-json-invalid",
+        "generate",
+        with_drafter("medusa"),
+        "not valid JSON",
+        drafter_files("{not json"),
+    ),
+    Case(
+        "drafter-json-no-settings",
+        "generate",
+        with_drafter("medusa"),
+        '"settings"',
+        drafter_files(json.dumps({"method": "medusa"})),
+    ),
+    *[
+        Case(
+            f"drafter-{method}-{damage}",
+            "generate",
+            with_drafter(method),
+            "missing" if damage == "missing" else "expected",
+            bad_drafter(method, damage),
+        )
+        for method in SETTINGS
+        for damage in ("missing", "misshapen")
+    ],
+    Case(
+        "drafter-ppd-misshapen",
+        "generate",
+        with_drafter("ppd", "--ppd-layer", "1"),
+        "PPD heads",
+        bad_ppd_heads,
+    ),
+    Case(
+        "top-k-above-vocabulary",
+        "generate",
+        gen("--temperature", "1", "--top-k", "500", PROMPT),
+        "exceeds the vocabulary (101 tokens)",
+    ),
+    Case("seed-beyond-64-bits", "generate", gen("--seed", str(2**64), PROMPT), "seed"),
+    Case("seed-negative", "generate", gen("--seed", "-1", PROMPT), "seed"),
+    Case("prompt-not-utf8", "generate", gen(b"\xff\xfe bad"), "not UTF-8"),
+    Case("stdin-not-utf8", "generate", gen("-"), "standard input is not UTF-8", stdin=b"\xff\n"),
+    Case("questions-not-utf8", "bench", bench(), "not UTF-8", write("q.jsonl", b"\xff\xfe\n")),
+    Case("ppd-k-negative", "generate", gen("--method", "ppd", "--ppd-k", "-1", PROMPT), "--ppd-k"),
+    # data loss: outputs checked before any work, sources and users' files never replaced
+    Case(
+        "bench-out-markdown",
+        "bench",
+        bench("--out", "r.md"),
+        "name the results .json",
+        questions({"question_id": 1, "turns": ["w5"]}),
+    ),
+    Case(
+        "bench-out-folder",
+        "bench",
+        bench("--out", "r.json"),
+        "is a folder",
+        write("r.json/mine.txt", "mine"),
+        keep=("r.json",),
+    ),
+    Case(
+        "bench-out-unwritable",
+        "bench",
+        bench("--out", "f/r.json"),
+        "is a file, not a folder",
+        write("f", "mine"),
+        keep=("f",),
+    ),
+    Case(
+        "bench-out-no-permission",
+        "bench",
+        bench("--out", "/proc/jaxspec/r.json"),
+        "is not writable",
+        questions({"question_id": 1, "turns": ["w5"]}),
+    ),
+    Case(
+        "bench-out-exists",
+        "bench",
+        bench("--out", "r.json"),
+        "--overwrite",
+        write("r.json", "{}"),
+        keep=("r.json",),
+    ),
+    Case(
+        "convert-out-is-source",
+        "convert",
+        lambda f, c: [f / "m", "--out", f / "m"],
+        "would overwrite the source",
+        ckpt_copy,
+        keep=("m",),
+    ),
+    Case(
+        "convert-to-hf-out-is-source",
+        "convert",
+        lambda f, c: [f / "m", "--out", f / "m", "--to", "hf", "--overwrite"],
+        "would overwrite the source",
+        ckpt_copy,
+        keep=("m",),
+    ),
+    Case(
+        "convert-out-inside-source",
+        "convert",
+        lambda f, c: [f / "m", "--out", f / "m" / "x"],
+        "would overwrite the source",
+        ckpt_copy,
+        keep=("m",),
+    ),
+    Case(
+        "convert-out-holds-source",
+        "convert",
+        lambda f, c: [f / "m", "--out", f, "--overwrite"],
+        "would overwrite the source",
+        ckpt_copy,
+        keep=("m",),
+    ),
+    Case(
+        "convert-out-not-empty",
+        "convert",
+        lambda f, c: [c, "--out", f / "out"],
+        "--overwrite",
+        nonempty_out,
+        keep=("out",),
+    ),
+    Case(
+        "convert-out-unwritable",
+        "convert",
+        lambda f, c: [c, "--out", f / "f" / "out"],
+        "is a file, not a folder",
+        write("f", "mine"),
+        keep=("f",),
+    ),
+    Case(
+        "convert-home-unwritable",
+        "convert",
+        lambda f, c: [],
+        "model cache ($JAXSPEC_HOME)",
+        env={"JAXSPEC_HOME": "/proc/jaxspec-home"},
+    ),
+    Case(
+        "generate-home-unwritable",
+        "generate",
+        lambda f, c: [PROMPT],
+        "model cache ($JAXSPEC_HOME)",
+        env={"JAXSPEC_HOME": "/proc/jaxspec-home"},
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bad_input(case: Case, tiny_ckpt, tmp_path):
+    run_case(case, tmp_path / "case", tiny_ckpt[0])
+
+
+def test_bench_default_out_takes_a_free_name(tmp_path, monkeypatch):
+    """The default FILE never replaces an earlier run's files: it takes the next number."""
+    from infer.bench import output_paths
+
+    monkeypatch.chdir(tmp_path)
+    assert output_paths(None, False)[0] == Path("bench_results.json")
+    Path("bench_results.md").write_text("earlier")
+    assert output_paths(None, False) == tuple(
+        Path(f"bench_results-2.{ext}") for ext in ("json", "md", "png")
+    )
+    assert output_paths(None, True)[0] == Path("bench_results.json")
+
+
+def test_unexpected_failure_is_one_line(capsys, monkeypatch):
+    """A bug still ends in one line naming the exception; JAXSPEC_DEBUG=1 shows the trace."""
+
+    def broken(argv):
+        raise RuntimeError("deep\ninside")
+
+    monkeypatch.delenv("JAXSPEC_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as done:
+        run_main(broken, [])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and "\n" not in err
+    assert err == "error: RuntimeError: deep inside (run with JAXSPEC_DEBUG=1 for the traceback)"
+    monkeypatch.setenv("JAXSPEC_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        run_main(broken, [])
