@@ -31,7 +31,7 @@ test-slow: model
 
 bench: model
 	$(PY) -m infer.bench --methods ar,hf --questions $(SPEC_BENCH) --limit 8 \
-	  --max-new-tokens 64 --out bench_results.json
+	  --max-new-tokens 64
 
 lint: setup
 	$(PY) -m ruff check .

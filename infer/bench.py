@@ -167,6 +167,8 @@ def parse_row(name: str) -> tuple[str, str, str | None, str]:
     method, _, option = spec.partition("@")
     if method == "ar" and option:
         raise JaxspecError(f"{name}: ar decodes without a draft tree; drop @{option}")
+    if method == "ppd" and option and not option.isdigit():
+        raise JaxspecError(f"{name}: a ppd row's @LAYER is a layer number, e.g. ppd@20")
     if slash and method == "sdsat" and extra not in SDSAT_LOOPS:
         raise JaxspecError(f"{name}: an sdsat row's /LOOP is one of {', '.join(SDSAT_LOOPS)}")
     if slash and method != "sdsat" and (method != "firp" or not extra.isdigit()):

@@ -93,6 +93,15 @@ def bad_drafter(method: str, damage: str):
     return setup
 
 
+def settings_without(key: str):
+    def setup(folder: Path, ckpt: Path) -> None:
+        cfg, params = _initial_drafter("medusa", ckpt)
+        settings = {k: v for k, v in SETTINGS["medusa"].items() if k != key}
+        save_drafter(folder / "d", "medusa", settings, params, cfg, "card")
+
+    return setup
+
+
 def bad_ppd_heads(folder: Path, ckpt: Path) -> None:
     cfg, _ = load_checkpoint(ckpt)
     heads = {"layer1": {"w": np.zeros((cfg.dim, 3), np.float32), "b": np.zeros(cfg.dim)}}
@@ -141,6 +150,13 @@ CASES = [
     Case("turns-empty", "bench", bench(), "turns", questions({"question_id": 1, "turns": []})),
     Case("limit-zero", "bench", bench("--limit", "0"), "--limit", questions()),
     Case("limit-negative", "bench", bench("--limit", "-2"), "--limit", questions()),
+    Case(
+        "bench-ppd-layer-not-number",
+        "bench",
+        bench("--methods", "ppd@x"),
+        "a layer number",
+        questions({"question_id": 1, "turns": ["w5"]}),
+    ),
     Case("per-category-zero", "bench", bench("--per-category", "0"), "--per-category"),
     Case(
         "mistral-sliding-window",
@@ -177,6 +193,13 @@ CASES = [
         with_drafter("medusa"),
         '"settings"',
         drafter_files(json.dumps({"method": "medusa"})),
+    ),
+    Case(
+        "drafter-settings-incomplete",
+        "generate",
+        with_drafter("medusa"),
+        "incomplete or invalid (KeyError: 'n_heads')",
+        settings_without("n_heads"),
     ),
     *[
         Case(
