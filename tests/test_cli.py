@@ -173,7 +173,8 @@ def test_bench_samples_with_top_k(tiny_ckpt, tmp_path, capsys):
     (tmp_path / "q.jsonl").write_text('{"question_id": 1, "turns": ["w5 w6"]}\n')
     argv = ["--methods", "ar", "--questions", str(tmp_path / "q.jsonl"), "--max-new-tokens",
             "6", "--temperature", "1", "--model", str(tiny_ckpt[0])]  # fmt: skip
-    assert "argument --top-k: must be 0 or more" in one_line_error(bench_main, [*argv, "--top-k", "-1"], capsys)
+    err = one_line_error(bench_main, [*argv, "--top-k", "-1"], capsys)
+    assert "argument --top-k: must be 0 or more" in err
     out = tmp_path / "r.json"
     run_ok(bench_main, [*argv, "--top-k", "3", "--out", str(out)], capsys)
     assert json.loads(out.read_text())["top_k"] == 3
