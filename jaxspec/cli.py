@@ -86,10 +86,11 @@ def nonnegative_int(text: str) -> int:
 
 
 def seed(text: str) -> int:
-    """A random seed: an integer in [0, 2**63) (what jax.random.key takes)."""
+    """A random seed: an integer in [0, 2**32) (jax.random.key keeps only the low 32 bits
+    without 64-bit mode: larger seeds would silently repeat smaller ones' samples)."""
     value = _number(text, int)
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**63 - 1, got {text}")
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**32 - 1, got {text}")
     return value
 
 

@@ -85,8 +85,9 @@ def train_variant(args, tag: str, flags: list[str]) -> dict:
         if report.get("steps") == args.steps:
             return report
     report = chimera_train.train(
-        ["--out", str(out), "--steps", str(args.steps), "--train-seqs", str(args.train_seqs),
-         "--test-seqs", str(args.test_seqs), "--batch", "8", "--rows", "32", *flags]
+        ["--out", str(out), "--overwrite", "--steps", str(args.steps), "--train-seqs",
+         str(args.train_seqs), "--test-seqs", str(args.test_seqs), "--batch", "8", "--rows",
+         "32", *flags]
     )  # fmt: skip
     report_file.write_text(json.dumps(report, indent=2))
     return report

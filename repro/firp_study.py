@@ -68,7 +68,7 @@ def train_variant(args, layers, variant, tag, steps=None, pass_layers=None) -> d
     pass_layers = pass_layers or args.sweep
     out = work_dir_for_ablation(tag)
     flags = ["--layers", ",".join(map(str, layers)), "--variant", variant, "--out", str(out),
-             "--steps", str(steps), "--train-seqs", str(args.train_seqs),
+             "--overwrite", "--steps", str(steps), "--train-seqs", str(args.train_seqs),
              "--test-seqs", str(args.test_seqs), "--pass-layers", pass_layers]  # fmt: skip
     if (out / "report.json").is_file():
         report = json.loads((out / "report.json").read_text())

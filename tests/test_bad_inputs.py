@@ -226,6 +226,7 @@ CASES = [
         "exceeds the vocabulary (101 tokens)",
     ),
     Case("seed-beyond-64-bits", "generate", gen("--seed", str(2**64), PROMPT), "seed"),
+    Case("seed-beyond-32-bits", "generate", gen("--seed", str(2**32), PROMPT), "2**32 - 1"),
     Case("seed-negative", "generate", gen("--seed", "-1", PROMPT), "seed"),
     Case("prompt-not-utf8", "generate", gen(b"\xff\xfe bad"), "not UTF-8"),
     Case("stdin-not-utf8", "generate", gen("-"), "standard input is not UTF-8", stdin=b"\xff\n"),

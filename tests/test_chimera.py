@@ -172,7 +172,7 @@ def trained_chimera(tiny_ckpt, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("chimera")
     common = [*tiny_training_args(tiny_ckpt[0], tmp, save_every=3),
-              "--rows", "8", "--heads", "3", "--distill", "0.1"]  # fmt: skip
+              "--rows", "8", "--heads", "3", "--distill", "0.1", "--overwrite"]  # fmt: skip
     first, second = train_on_made_up_conversations(
         chimera, [*common, "--steps", "6"], [*common, "--steps", "10"]
     )

@@ -177,7 +177,8 @@ def trained_firp(tiny_ckpt, tmp_path_factory):
     import train.firp as firp
 
     tmp = tmp_path_factory.mktemp("firp")
-    common = [*tiny_training_args(tiny_ckpt[0], tmp), "--anchors", "8", "--layers", "1,2"]
+    common = [*tiny_training_args(tiny_ckpt[0], tmp), "--anchors", "8", "--layers", "1,2",
+              "--overwrite"]  # fmt: skip
     first, second = train_on_made_up_conversations(
         firp,
         [*common, "--steps", "4"],  # 2 x 4 updates, finished

@@ -45,7 +45,7 @@ def trained(tiny_ckpt, tmp_path_factory, monkeypatch_module):
         )
     tmp = tmp_path_factory.mktemp("medusa")
     common = [*tiny_training_args(tiny_ckpt[0], tmp, train_seqs=10, batch=32, save_every=4),
-              "--seq-len", "64", "--heads", "3"]  # fmt: skip
+              "--seq-len", "64", "--heads", "3", "--overwrite"]  # fmt: skip
     first = medusa.train([*common, "--steps", "12"])
     second = medusa.train([*common, "--steps", "20"])
     return tmp / "out", first, second, tiny_ckpt[0]
@@ -87,7 +87,7 @@ def test_init_starts_from_a_trained_drafter(trained, tmp_path):
     out, _, _, ckpt = trained
     cfg, _ = load_checkpoint(ckpt)
     common = [*tiny_training_args(ckpt, tmp_path, train_seqs=10, batch=32, lr=0),
-              "--seq-len", "64", "--steps", "1", "--init", str(out)]  # fmt: skip
+              "--seq-len", "64", "--steps", "1", "--init", str(out), "--overwrite"]  # fmt: skip
     medusa.train([*common, "--heads", "3"])
     _, start = load_drafter(out, "medusa", cfg)
     _, after = load_drafter(tmp_path / "out", "medusa", cfg)

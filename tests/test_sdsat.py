@@ -165,7 +165,7 @@ def trained_sdsat(tiny_ckpt, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sdsat")
     common = [*tiny_training_args(tiny_ckpt[0], tmp), "--spans", "4", "--window", "3",
-              "--rank", "2", "--ids", "2", "--cpu-tree", "chain-3"]  # fmt: skip
+              "--rank", "2", "--ids", "2", "--cpu-tree", "chain-3", "--overwrite"]  # fmt: skip
     first, second = train_on_made_up_conversations(
         sdsat, [*common, "--steps", "4"], [*common, "--steps", "7"]
     )
@@ -213,7 +213,7 @@ def test_init_starts_from_a_trained_sdsat_adapter(trained_sdsat, tmp_path):
 
     out, _, _, ckpt = trained_sdsat
     common = [*tiny_training_args(ckpt, tmp_path, lr=0), "--spans", "4", "--window", "3",
-              "--ids", "2", "--steps", "2", "--init", str(out)]  # fmt: skip
+              "--ids", "2", "--steps", "2", "--init", str(out), "--overwrite"]  # fmt: skip
     train_on_made_up_conversations(sdsat, [*common, "--rank", "2"])
     cfg = load_checkpoint(ckpt)[0]
     _, start = load_drafter(out, "sdsat", cfg)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from infer.common import build_generator, default_tree
+from jaxspec.outputs import write_text
 
 PROMPTS = 10
 NEW_TOKENS = 64
@@ -46,5 +47,5 @@ right after training (mean accepted tokens per step, the bonus token included):
 |---|---|
 {rows}"""
     card = Path(drafter_dir) / "CARD.md"
-    card.write_text(card.read_text().rstrip("\n") + "\n" + section)
+    write_text(card, card.read_text().rstrip("\n") + "\n" + section)
     return measured

@@ -1,9 +1,58 @@
-"""The command-line options every trainer shares; each trainer adds its own."""
+"""The command-line options every trainer shares (each trainer adds its own), checked where
+they are parsed, and the folders a run writes: checked before any work, the work folder held
+for the whole run."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+from collections.abc import Iterator
 from pathlib import Path
+
+from jaxspec.checkpoint import default_model_dir, jaxspec_home
+from jaxspec.cli import ArgumentParser, positive_int, seed
+from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
+from train.checkpoints import run_name
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def rate(text: str) -> float:
+    """A fraction in (0, 1]."""
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def int_list(text: str) -> str:
+    """Comma-separated integers >= 1, kept as written (run names and cards show the text)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"takes comma-separated integers, e.g. 10,15,20; got {text!r}"
+        ) from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"takes integers >= 1, got {text!r}")
+    return text
 
 
 def trainer_parser(
@@ -21,9 +70,20 @@ def trainer_parser(
     """Model and output, the self-distillation data (the model's own answers to ShareGPT
     train-split prompts), the optimisation schedule and the seed; with `can_init`, --init
     (the trainer starts from `checkpoints.initial_params`)."""
-    p = argparse.ArgumentParser(prog=f"jaxspec-train {method}", description=doc)
+    p = ArgumentParser(prog=f"jaxspec-train {method}", description=doc)
     p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
-    p.add_argument("--out", type=Path, help=f"drafter folder (default: drafters/<model>/{method})")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help=f"output folder (default: $JAXSPEC_HOME/drafters/<model>/{method}-<run>, this "
+        "run's own: the same flags write the same folder; the shipped drafters/ is never "
+        "written unless named here with --overwrite)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the files of a non-empty --out (without it such an --out is refused)",
+    )
     p.add_argument(
         "--work-dir", type=Path, help="data, features and checkpoints (default: in $JAXSPEC_HOME)"
     )
@@ -34,13 +94,49 @@ def trainer_parser(
             help="start from this drafter's weights (a folder of the same method and model), "
             "e.g. to train a shipped drafter further on more data",
         )
-    p.add_argument("--train-seqs", type=int, default=train_seqs)
-    p.add_argument("--test-seqs", type=int, default=40)
-    p.add_argument("--prompt-len", type=int, default=128, help="longest prompt")
-    p.add_argument("--new-tokens", type=int, default=192, help="answer length")
-    p.add_argument("--steps", type=int, default=steps, help=steps_help)
-    p.add_argument("--batch", type=int, default=batch, help=batch_help)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--save-every", type=int, default=save_every)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-seqs", type=positive_int, default=train_seqs)
+    p.add_argument("--test-seqs", type=positive_int, default=40)
+    p.add_argument("--prompt-len", type=positive_int, default=128, help="longest prompt")
+    p.add_argument("--new-tokens", type=positive_int, default=192, help="answer length")
+    p.add_argument("--steps", type=positive_int, default=steps, help=steps_help)
+    p.add_argument("--batch", type=positive_int, default=batch, help=batch_help)
+    p.add_argument(
+        "--lr", type=nonnegative_float, default=1e-3, help="peak learning rate (0 keeps weights)"
+    )
+    p.add_argument("--save-every", type=positive_int, default=save_every)
+    p.add_argument("--seed", type=seed, default=0)
     return p
+
+
+def parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The trainer's arguments, with the folders given checked before anything loads."""
+    args = p.parse_args(argv)
+    check_folders(args, args.out, args.work_dir)
+    return args
+
+
+def check_folders(args, out: Path | None, work: Path | None) -> None:
+    """`out` is writable, not the model's folder, and empty unless --overwrite or it is the
+    run's own default folder; `work` is writable."""
+    if out is not None:
+        model = args.model or default_model_dir()
+        check_output_dir(out, [model], overwrite=args.overwrite or args.out is None)
+    if work is not None:
+        check_writable_dir(work, "--work-dir")
+
+
+def default_out(args, method: str, model_name: str) -> Path:
+    """The run's own output folder, $JAXSPEC_HOME/drafters/<model>/<method>-<run name>:
+    never the repository's drafters/; a rerun of the same run rewrites it."""
+    return jaxspec_home() / "drafters" / model_name / f"{method}-{run_name(args)}"
+
+
+@contextlib.contextmanager
+def training_run(args, work: Path, default: Path) -> Iterator[Path]:
+    """Yields the output folder (--out, else `default`), both folders checked first, with
+    `work` held: a second training on it is refused, naming this process."""
+    out = args.out or default
+    check_folders(args, out, work)
+    with exclusive(work):
+        print(f"writing to {out} (work folder {work})", flush=True)
+        yield out

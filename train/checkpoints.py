@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 
 from jaxspec.drafters.store import load_drafter
 from jaxspec.errors import JaxspecError
+from jaxspec.outputs import write_text
 
 # Flags added after runs were made, with their defaults: hashed only when set otherwise, so
 # those runs still resume.
@@ -23,7 +24,7 @@ def run_name(args) -> str:
     """Checkpoints live per training setting: a rerun with the same flags resumes, a run
     with different ones starts fresh (more --steps continue the same run)."""
     # Flags that do not change the weights.
-    after_training = ("save_every", "out", "steps", "draft_vocab", "cache_prefill")
+    after_training = ("save_every", "out", "overwrite", "steps", "draft_vocab", "cache_prefill")
     flags = {
         k: v
         for k, v in vars(args).items()
@@ -36,12 +37,21 @@ def run_record(work: Path, args, update: dict | None = None) -> dict:
     """What the run's training part measured (final losses, minutes), kept beside its
     checkpoints so that a rerun after the last step still reports it."""
     path = work / "checkpoints" / run_name(args) / "record.json"
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    record = load_json(path) if path.is_file() else {}
     if update:
         record.update(update)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
+        write_text(path, json.dumps(record))
     return record
+
+
+def load_json(path: Path):
+    """A JSON file the trainers wrote; a damaged one is a one-line error naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        raise JaxspecError(
+            f"{path} is damaged ({type(e).__name__}); delete it and rerun to rebuild it"
+        ) from None
 
 
 def resume(work: Path, args, state):
@@ -110,5 +120,5 @@ def command_flags(args) -> str:
     return " ".join(
         f"--{k.replace('_', '-')}" + ("" if isinstance(v, bool) else f" {v}")
         for k, v in vars(args).items()
-        if v is not None and v is not False and k not in ("model", "out", "work_dir")
+        if v is not None and v is not False and k not in ("model", "out", "overwrite", "work_dir")
     )

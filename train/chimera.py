@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
+from jaxspec.cli import nonnegative_int, positive_float, positive_int
 from jaxspec.drafters.chimera import (
     BOTTOMS,
     ChimeraDrafter,
@@ -40,7 +41,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
-from train.args import trainer_parser
+from train.args import default_out, nonnegative_float, parse, trainer_parser, training_run
 from train.checkpoints import (
     command_flags,
     initial_params,
@@ -52,13 +53,11 @@ from train.checkpoints import (
 from train.features import answer_features
 from train.optim import apply_grads
 
-REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
-
 
 def parse_args(argv):
     p = trainer_parser("chimera", __doc__, can_init=True)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ngram", type=int, default=3, help="tokens per n-gram (paper: 3)")
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--ngram", type=positive_int, default=3, help="tokens per n-gram (paper: 3)")
     p.add_argument(
         "--bottom",
         choices=BOTTOMS,
@@ -72,23 +71,25 @@ def parse_args(argv):
     p.add_argument(
         "--full-heads", action="store_true", help="each head a full Linear(2D->V) (large)"
     )
-    p.add_argument("--rows", type=int, default=32, help="answer positions per sequence")
-    p.add_argument("--decay", type=float, default=0.8, help="loss weight of head d is decay**d")
+    p.add_argument("--rows", type=positive_int, default=32, help="answer positions per sequence")
+    p.add_argument(
+        "--decay", type=positive_float, default=0.8, help="loss weight of head d is decay**d"
+    )
     p.add_argument("--targets", choices=("kl", "self", "data"), default="kl")
-    p.add_argument("--distill", type=float, default=0.0, help="weight of the MSE term")
+    p.add_argument("--distill", type=nonnegative_float, default=0.0, help="weight of the MSE term")
     p.add_argument(
         "--draft-vocab",
-        type=int,
+        type=nonnegative_int,
         default=8192,
         help="the heads draft among this many most frequent answer tokens (0: all)",
     )
     p.add_argument(
         "--cache-prefill",
-        type=int,
+        type=nonnegative_int,
         default=4096,
         help="store this many most frequent answer n-grams to pre-fill the trigram cache",
     )
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def row_range(features: dict, n: int, K: int) -> tuple[int, int]:
@@ -198,12 +199,17 @@ def evaluate(drafter, base, params, features) -> np.ndarray:
 def train(argv) -> dict:
     args = parse_args(argv)
     model = load_model(args.model)
+    work = args.work_dir or jaxspec_home() / "train" / model.cfg.name / "chimera"
+    with training_run(args, work, default_out(args, "chimera", model.cfg.name)) as out:
+        return _train(args, model, work, out)
+
+
+def _train(args, model, work: Path, out: Path) -> dict:
+    """Features (in --work-dir, else shared beside `work`), training and evaluation; the
+    drafter and its card in `out`."""
     cfg = model.cfg
-    root = jaxspec_home() / "train" / cfg.name
-    work = args.work_dir or root / "chimera"
-    out = args.out or REPO_DRAFTERS / cfg.name / "chimera"
     start_time = time.perf_counter()
-    feature_root = args.work_dir or root
+    feature_root = args.work_dir or work.parent
     train_f = answer_features(
         model, feature_root, "train", args.train_seqs, args.prompt_len, args.new_tokens
     )

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
-from jaxspec.cli import run_main
+from jaxspec.cli import ArgumentParser, run_main
 from jaxspec.errors import JaxspecError
 
 # method name -> module whose main(argv) trains it (imported only when chosen)
@@ -14,7 +13,7 @@ TRAINERS = {name: f"train.{name}" for name in ("medusa", "firp", "chimera", "sds
 
 def _main(argv) -> None:
     # No help of its own once a method is named: `jaxspec-train firp --help` is firp's.
-    p = argparse.ArgumentParser(prog="jaxspec-train", description=__doc__, add_help=False)
+    p = ArgumentParser(prog="jaxspec-train", description=__doc__, add_help=False)
     p.add_argument("method", nargs="?", help=f"one of {', '.join(TRAINERS)}")
     args, rest = p.parse_known_args(argv)
     if args.method is None:

@@ -1,6 +1,7 @@
 """Frozen-base features for drafter training, computed once and cached as .npz:
 the last layer's (pre-norm) hidden states, the data tokens, and the base model's own greedy
-prediction at every position (self-distillation targets)."""
+prediction at every position (self-distillation targets). Every file is written whole or not
+at all; a damaged one is an error naming it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.outputs import load_npz, save_npz
 from train.selfdata import generate_answers
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
@@ -43,7 +45,7 @@ def extract(model, conversations, n_seqs: int, seq_len: int, out: Path, batch: i
     """Features of the first n_seqs usable conversations (cached in `out`)."""
     out = Path(out)
     if out.is_file():
-        return dict(np.load(out))
+        return load_npz(out)
     seqs = []
     for conversation in conversations:
         ids = conversation_ids(model.tokenizer, conversation, seq_len)
@@ -64,13 +66,13 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4, reuse=()) ->
     are copied from it, not computed again."""
     out = Path(out)
     if out.is_file():
-        return dict(np.load(out))
+        return load_npz(out)
     tokens = data["tokens"]
     hidden = np.zeros((*tokens.shape, model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
     todo = np.ones(len(tokens), bool)
     for path in reuse:
-        done = np.load(path)
+        done = load_npz(path)
         row_of = {row.tobytes(): i for i, row in enumerate(done["tokens"])}
         pairs = [(i, row_of[tokens[i].tobytes()]) for i in np.flatnonzero(todo)
                  if tokens[i].tobytes() in row_of]  # fmt: skip
@@ -86,10 +88,7 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4, reuse=()) ->
         hidden[idx] = np.asarray(h)[: len(idx)]
         predicted[idx] = np.asarray(p)[: len(idx)]
     data = {**data, "hidden": hidden, "predicted": predicted}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial.npz")
-    np.savez(tmp, **data)
-    tmp.replace(out)
+    save_npz(out, data)
     return data
 
 
@@ -101,10 +100,12 @@ def _siblings(root: Path, prefix: str, split: str, prompt_len: int, new_tokens: 
 def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
     """The base model's own greedy answers to n `split` prompts (train/selfdata.py), cached
     in `root` (the model's training folder, shared by every drafter's trainer)."""
-    name = f"self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    path = root / f"self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    if path.is_file():  # ShareGPT is not read
+        return load_npz(path)
     reuse = _siblings(root, "self", split, prompt_len, new_tokens)
     return generate_answers(
-        model, sharegpt_split(split), n, root / name, prompt_len, new_tokens, reuse=reuse
+        model, sharegpt_split(split), n, path, prompt_len, new_tokens, reuse=reuse
     )
 
 

@@ -29,18 +29,18 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
+from jaxspec.cli import positive_int
 from jaxspec.data.sources import split_tag
 from jaxspec.drafters.firp import FirpDrafter, apply_map, pseudo_forward, real_context
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
+from jaxspec.outputs import write_text
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
-from train.args import trainer_parser
-from train.checkpoints import command_flags, resume, save
+from train.args import default_out, int_list, parse, trainer_parser, training_run
+from train.checkpoints import command_flags, load_json, resume, save
 from train.features import self_answers
-
-REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 
 def default_layers(n_layers: int) -> tuple[int, ...]:
@@ -53,28 +53,29 @@ def parse_args(argv):
         "firp", __doc__, steps=300, save_every=25,
         steps_help="updates per FIRP step (a rerun with more continues the current FIRP step)",
     )  # fmt: skip
-    p.add_argument("--layers", help="comma-separated t_1<...<t_K (default: about L/2, 2L/3, 5L/6)")
+    p.add_argument(
+        "--layers",
+        type=int_list,
+        help="comma-separated t_1<...<t_K (default: about L/2, 2L/3, 5L/6)",
+    )
     p.add_argument(
         "--pass-layers",
+        type=int_list,
         help="cache the real pass for these layers (a superset of --layers: ablations share it)",
     )
-    p.add_argument("--anchors", type=int, default=64, help="anchors sampled per sequence")
+    p.add_argument("--anchors", type=positive_int, default=64, help="anchors sampled per sequence")
     p.add_argument(
         "--variant",
         choices=("firp", "unchained", "early-exit"),
         default="firp",
         help="ablations for the reproduction study write only their report.json",
     )
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def parse_layers(text: str | None, n_layers: int) -> tuple[int, ...]:
-    if not text:
-        return default_layers(n_layers)
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise JaxspecError(f"--layers takes comma-separated integers, got {text!r}") from None
+    """--layers as checked by `int_list`, or the default for the model's depth."""
+    return tuple(int(x) for x in text.split(",")) if text else default_layers(n_layers)
 
 
 class RealPassCache:
@@ -95,10 +96,9 @@ class RealPassCache:
         }
         folder.mkdir(parents=True, exist_ok=True)
         progress = folder / "progress.json"
-        done = json.loads(progress.read_text())["rows"] if progress.is_file() else 0
-        mode = "r+" if done else "w+"
+        done = load_json(progress)["rows"] if progress.is_file() else 0
         self.arrays = {
-            name: np.lib.format.open_memmap(folder / f"{name}.npy", mode, np.float16, shape)
+            name: open_array(folder / f"{name}.npy", shape, resume=bool(done))
             for name, shape in shapes.items()
         }
         run = jax.jit(partial(real_context, cfg=cfg, layers=layers))
@@ -111,7 +111,7 @@ class RealPassCache:
             self.arrays["last"][rows] = np.asarray(h)
             for array in self.arrays.values():
                 array.flush()
-            progress.write_text(json.dumps({"rows": rows.stop}))
+            write_text(progress, json.dumps({"rows": rows.stop}))
 
     def batch(self, rows: np.ndarray, layers) -> dict:
         """Rows as model inputs: keys/values tuples over all layers (None below the
@@ -125,6 +125,19 @@ class RealPassCache:
         )
         states = {t: get["states"][:, self.layers.index(t)] for t in layers}
         return {"keys": keys, "values": values, "states": states, "last": get["last"]}
+
+
+def open_array(path: Path, shape, resume: bool) -> np.ndarray:
+    """A float16 .npy memmap of `shape`: a new one, or the one a run began (`resume`; a
+    damaged one is a one-line error naming it)."""
+    if not resume:
+        return np.lib.format.open_memmap(path, "w+", np.float16, shape)
+    try:
+        return np.lib.format.open_memmap(path, "r+")
+    except (ValueError, OSError) as e:
+        raise JaxspecError(
+            f"cache file {path} is damaged ({type(e).__name__}); delete its folder and rerun"
+        ) from None
 
 
 def valid_anchor_range(data: dict, K: int) -> tuple[np.ndarray, np.ndarray]:
@@ -237,11 +250,18 @@ def train(argv) -> dict:
     layers = parse_layers(args.layers, cfg.n_layers)
     drafter = FirpDrafter(cfg, layers)  # validates the layers
     pass_layers = parse_layers(args.pass_layers, cfg.n_layers) if args.pass_layers else layers
+    FirpDrafter(cfg, pass_layers)  # and these
     if not set(layers) <= set(pass_layers):
         raise JaxspecError(f"--pass-layers {pass_layers} must include --layers {layers}")
-    K = drafter.n_steps
     work = args.work_dir or jaxspec_home() / "train" / cfg.name / "firp"
-    out = args.out or REPO_DRAFTERS / cfg.name / "firp"
+    with training_run(args, work, default_out(args, "firp", cfg.name)) as out:
+        return _train(args, model, drafter, pass_layers, work, out)
+
+
+def _train(args, model, drafter: FirpDrafter, pass_layers, work: Path, out: Path) -> dict:
+    """The data's real pass, the maps trained step by step, the evaluation; the drafter, its
+    card and report in `out`."""
+    cfg, layers, K = model.cfg, drafter.layers, drafter.n_steps
     start_time = time.perf_counter()
 
     def pass_of(split, n):
@@ -310,8 +330,7 @@ def train(argv) -> dict:
         "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
         "train_minutes": round((time.perf_counter() - start_time) / 60, 1),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({**report, "variant": args.variant}, indent=2))
+    write_text(out / "report.json", json.dumps({**report, "variant": args.variant}, indent=2))
     if args.variant == "firp":
         settings = {
             "layers": list(layers),

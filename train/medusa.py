@@ -29,28 +29,31 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
+from jaxspec.cli import positive_float, positive_int
 from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
-from train.args import trainer_parser
+from train.args import default_out, parse, trainer_parser, training_run
 from train.checkpoints import command_flags, initial_params, resume_training, save, started_from
 from train.features import answer_features, extract
 from train.optim import apply_grads
 
-REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
-
 
 def parse_args(argv):
     p = trainer_parser("medusa", __doc__, batch=256, batch_help="positions per step", can_init=True)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads", type=positive_int, default=4)
     p.add_argument("--data", choices=("self", "sharegpt"), default="self")
-    p.add_argument("--seq-len", type=int, default=256, help="sharegpt data: tokens per sequence")
-    p.add_argument("--decay", type=float, default=0.8, help="loss weight of head k is decay**k")
+    p.add_argument(
+        "--seq-len", type=positive_int, default=256, help="sharegpt data: tokens per sequence"
+    )
+    p.add_argument(
+        "--decay", type=positive_float, default=0.8, help="loss weight of head k is decay**k"
+    )
     p.add_argument("--targets", choices=("self", "data", "kl"), default="self")
-    return p.parse_args(argv)
+    return parse(p, argv)
 
 
 def samples(features: dict, K: int, targets: str) -> tuple[np.ndarray, np.ndarray]:
@@ -120,9 +123,14 @@ def evaluate(drafter, base, params, features, targets, batch=512) -> np.ndarray:
 def train(argv) -> dict:
     args = parse_args(argv)
     model = load_model(args.model)
+    work = args.work_dir or jaxspec_home() / "train" / model.cfg.name / "medusa"
+    with training_run(args, work, default_out(args, "medusa", model.cfg.name)) as out:
+        return _train(args, model, work, out)
+
+
+def _train(args, model, work: Path, out: Path) -> dict:
+    """Features, the heads' training and evaluation; the drafter and its card in `out`."""
     cfg = model.cfg
-    work = args.work_dir or jaxspec_home() / "train" / cfg.name / "medusa"
-    out = args.out or REPO_DRAFTERS / cfg.name / "medusa"
     start_time = time.perf_counter()
 
     def features(split, n):  # cached per (split, count, lengths): reruns reuse them

@@ -24,24 +24,48 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
+from jaxspec.cli import positive_int
 from jaxspec.drafters.store import save_drafter
+from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.ppd import early_logits, head_name
-from train.args import trainer_parser
+from train.args import default_out, int_list, parse, trainer_parser, training_run
 from train.checkpoints import command_flags, resume_training, run_record, save
 from train.features import self_answers
 from train.optim import apply_grads
 
-REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 KS = (1, 3, 5)
 
 
 def parse_args(argv):
     p = trainer_parser("ppd", __doc__, train_seqs=800, steps=150, save_every=25)
-    p.add_argument("--layers", default="10,15,20,25,28", help="layers with a head")
-    p.add_argument("--rows", type=int, default=64, help="answer positions per sequence")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--layers",
+        type=int_list,
+        default="10,15,20,25,28",
+        help="layers with a head, at least one of them at or above half the model's depth",
+    )
+    p.add_argument("--rows", type=positive_int, default=64, help="answer positions per sequence")
+    return parse(p, argv)
+
+
+def drafting_layers(layers, n_layers: int) -> list[int]:
+    """The layers PPD can draft from (d_bar): from half the depth to below the top."""
+    return [layer for layer in layers if n_layers <= 2 * layer < 2 * n_layers]
+
+
+def head_layers(text: str, n_layers: int) -> tuple[int, ...]:
+    """--layers, inside the model, at least one of them a layer PPD can draft from."""
+    layers = tuple(int(x) for x in text.split(","))
+    if max(layers) > n_layers:
+        raise JaxspecError(f"--layers {text}: this model has layers 1..{n_layers}")
+    if not drafting_layers(layers, n_layers):
+        raise JaxspecError(
+            f"--layers {text}: PPD drafts from a layer at or above half the depth and below "
+            f"the top; add one of {(n_layers + 1) // 2}..{n_layers - 1}"
+        )
+    return layers
 
 
 @partial(jax.jit, static_argnames=("cfg", "layers"))
@@ -124,10 +148,17 @@ def train(argv) -> dict:
     args = parse_args(argv)
     model = load_model(args.model)
     cfg = model.cfg
-    layers = tuple(int(x) for x in args.layers.split(","))
+    layers = head_layers(args.layers, cfg.n_layers)
     root = args.work_dir or jaxspec_home() / "train" / cfg.name
     work = args.work_dir or root / "ppd"
-    out = args.out or REPO_DRAFTERS / cfg.name / "ppd"
+    with training_run(args, work, default_out(args, "ppd", cfg.name)) as out:
+        return _train(args, model, layers, root, work, out)
+
+
+def _train(args, model, layers, root: Path, work: Path, out: Path) -> dict:
+    """The answers (in `root`), the heads' training and evaluation; the heads and their card
+    in `out`."""
+    cfg = model.cfg
     start_time = time.perf_counter()
 
     train_data, test_data = (
@@ -160,9 +191,8 @@ def train(argv) -> dict:
             "train_minutes": round(minutes, 1),
         })  # fmt: skip
     match = evaluate(model, state["params"], test_data, layers)
-    usable = [layer for layer in layers if 2 * layer >= cfg.n_layers]
     default = max(
-        usable,
+        drafting_layers(layers, cfg.n_layers),
         key=lambda layer: (cfg.n_layers - layer) * match[head_name(layer)]["trained"]["top3"],
     )
     settings = {"layers": list(layers), "default_layer": default}

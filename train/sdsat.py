@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from functools import partial
@@ -34,13 +35,15 @@ from tqdm import tqdm
 
 from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
+from jaxspec.cli import nonnegative_int, positive_int
 from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
 from jaxspec.drafters.store import save_drafter
+from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
-from jaxspec.tree import searched_trees
+from jaxspec.tree import searched_trees, tree_preset
 from train.acceptance import measure_acceptance
-from train.args import trainer_parser
+from train.args import default_out, parse, rate, trainer_parser, training_run
 from train.checkpoints import (
     command_flags,
     initial_params,
@@ -53,7 +56,19 @@ from train.features import self_answers
 from train.optim import apply_grads, paper_schedule_adamw
 from train.sdsat_full import train_full
 
-REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+SEARCHED_SIZES = (4, 6, 8, 16)  # the trees searched for a trained adapter: searched-N
+
+
+def tree_name(text: str) -> str:
+    """A tree the adapter will ship (searched-N) or a preset (jaxspec.tree.tree_preset)."""
+    if text in {f"searched-{n}" for n in SEARCHED_SIZES}:
+        return text
+    try:
+        tree_preset(text)
+    except JaxspecError as e:
+        searched = ", ".join(f"searched-{n}" for n in SEARCHED_SIZES)
+        raise argparse.ArgumentTypeError(f"{e}, {searched}") from None
+    return text
 
 
 def parse_args(argv):
@@ -63,15 +78,18 @@ def parse_args(argv):
         choices=("adapter", "full"),
         default="adapter",
         help="adapter: mode (b), lossless against the original model (shipped); full: mode "
-        "(a), the paper's full fine-tuning, writes a whole checkpoint to --out",
+        "(a), the paper's full fine-tuning, writes a whole checkpoint to --out (default: "
+        "$JAXSPEC_HOME/models/<model>-sdsat-full)",
     )
-    p.add_argument("--mask-rate", type=float, default=0.1, help="full mode: span start rate")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank of the adapter")
-    p.add_argument("--ids", type=int, default=1, help="distinct adaptive token ids")
-    p.add_argument("--window", type=int, default=8, help="max mask window L")
-    p.add_argument("--spans", type=int, default=24, help="spans per sequence")
-    p.add_argument("--cpu-tree", default="chain-2", help="the tree generation uses on CPU")
-    return p.parse_args(argv)
+    p.add_argument("--mask-rate", type=rate, default=0.1, help="full mode: span start rate")
+    p.add_argument("--rank", type=nonnegative_int, default=16, help="LoRA rank of the adapter")
+    p.add_argument("--ids", type=positive_int, default=1, help="distinct adaptive token ids")
+    p.add_argument("--window", type=positive_int, default=8, help="max mask window L")
+    p.add_argument("--spans", type=positive_int, default=24, help="spans per sequence")
+    p.add_argument(
+        "--cpu-tree", type=tree_name, default="chain-2", help="the tree generation uses on CPU"
+    )
+    return parse(p, argv)
 
 
 def span_starts(starts, lengths, n_spans: int, rng) -> np.ndarray:
@@ -189,7 +207,7 @@ def evaluate(drafter, params, dparams, data, L: int, stride: int = 4) -> dict:
     }
 
 
-def sdsat_trees(topk_per_depth, sizes=(4, 6, 8, 16)) -> dict[str, list[list[int]]]:
+def sdsat_trees(topk_per_depth, sizes=SEARCHED_SIZES) -> dict[str, list[list[int]]]:
     """Trees searched from adaptive token j's measured top-1..5 accuracy [L,5] at depth j+1;
     depth 1 is the model's own next token, always right at rank 0."""
     certain = np.array([[1.0] * 5])
@@ -199,24 +217,31 @@ def sdsat_trees(topk_per_depth, sizes=(4, 6, 8, 16)) -> dict[str, list[list[int]
 def train(argv) -> dict:
     args = parse_args(argv)
     model = load_model(args.model)
-    cfg = model.cfg
-    root = args.work_dir or jaxspec_home() / "train" / cfg.name
+    name = model.cfg.name
+    root = args.work_dir or jaxspec_home() / "train" / name
     work = args.work_dir or root / f"sdsat-{args.mode}"
-    start_time = time.perf_counter()
+    full = jaxspec_home() / "models" / f"{name}-sdsat-full"  # repro.sdsat_study reads it
+    default = full if args.mode == "full" else default_out(args, "sdsat", name)
+    with training_run(args, work, default) as out:
+        return _train(args, model, root, work, out)
 
+
+def _train(args, model, root: Path, work: Path, out: Path) -> dict:
+    """The answers (in `root`), training and evaluation; the adapter and its card, or in
+    full mode the fine-tuned model, in `out`."""
+    cfg = model.cfg
+    start_time = time.perf_counter()
     train_data, test_data = (
         self_answers(model, root, split, n, args.prompt_len, args.new_tokens)
         for split, n in (("train", args.train_seqs), ("test", args.test_seqs))
     )
     if args.mode == "full":
-        out = args.out or jaxspec_home() / "models" / f"{cfg.name}-sdsat-full"
         report = train_full(args, model, train_data, work, out, lambda drafter, p, dp: evaluate(
             drafter, p, dp, test_data, args.window
         ))  # fmt: skip
         print(json.dumps(report, indent=2))
         print(f"wrote the fine-tuned model to {out} (its drafter: {out / 'sdsat'})")
         return report
-    out = args.out or REPO_DRAFTERS / cfg.name / "sdsat"
     drafter = SdsatDrafter(cfg, args.rank, args.ids)
     optimizer = paper_schedule_adamw(args.lr, args.steps)
     fresh = drafter.init(model.params, jax.random.key(args.seed))

@@ -5,6 +5,7 @@ the ChatGPT answers in ShareGPT, so drafters train best on the model's own text 
 self-distillation). Each record is [chat-templated first user turn ; greedy answer]; `starts`
 marks where the answer begins. Batched generation; progress is saved after every batch and
 an interrupted run resumes; answers already cached for other prompt counts are reused.
+Every file is written whole or not at all; a damaged one is an error naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from jaxspec.data.sources import first_user_turn
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.outputs import load_npz, save_npz
 from jaxspec.text import encode_prompt
 
 
@@ -48,7 +50,7 @@ def _pack(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> dict:
 
 def _answers_by_prompt(path: Path) -> dict[tuple[int, ...], list[int]]:
     """{prompt ids: answer ids} of a packed answers file."""
-    data = np.load(path)
+    data = load_npz(path)
     rows = zip(data["tokens"], data["starts"], data["lengths"], strict=True)
     return {tuple(row[:start].tolist()): row[start:end].tolist() for row, start, end in rows}
 
@@ -68,7 +70,7 @@ def generate_answers(
     interrupted run's partial file are taken from there, not generated again."""
     out = Path(out)
     if out.is_file():
-        return dict(np.load(out))
+        return load_npz(out)
     partial = out.with_suffix(".partial.npz")
     prompts = first_turn_prompts(model.tokenizer, conversations, n, prompt_len)
     prompts.sort(key=len)  # similar lengths batch together: less padding, few shapes
@@ -81,16 +83,15 @@ def generate_answers(
     missing = [p for p in unique if p not in answers]
     generator = SpeculativeGenerator(model.cfg, model.params)
     seq_len = prompt_len + new_tokens
-    out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(unique), initial=len(answers), desc=f"answers {out.stem}", unit="seq")
     for start in range(0, len(missing), batch):
         chunk = missing[start : start + batch]
         results = generator.generate_batch([list(p) for p in chunk], new_tokens)
         answers.update((p, r.token_ids) for p, r in zip(chunk, results, strict=True))
-        np.savez(partial, **_pack([(list(p), a) for p, a in answers.items()], seq_len))
+        save_npz(partial, _pack([(list(p), a) for p, a in answers.items()], seq_len))
         bar.update(len(results))
     bar.close()
     data = _pack([(p, answers[tuple(p)]) for p in prompts], seq_len)
-    np.savez(out, **data)
+    save_npz(out, data)
     partial.unlink(missing_ok=True)
     return data

@@ -1,0 +1,139 @@
+"""jaxspec-train on bad input (issue 27): one `error:` line, exit 2, no traceback, the user's
+files untouched, found before any work; where a run writes by default; caches written whole."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxspec.errors import JaxspecError
+from jaxspec.outputs import exclusive
+from tests.cli_harness import Case, run_case
+from tests.conftest import tiny_training_args
+
+CACHE = "work/self-train-8-p40-n24.npz"  # the answers ppd reads first with tiny_args()
+REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def tiny_args(method: str, *extra):
+    """`jaxspec-train METHOD` on the tiny checkpoint, its folders in the case's own, then
+    `extra` (later flags win; a callable gets the case's folder and the checkpoint)."""
+
+    def args(folder: Path, ckpt: Path) -> list:
+        flags = tiny_training_args(ckpt, folder)
+        if method in ("ppd", "firp"):
+            flags += ["--layers", "1,2"]
+        return [method, *flags, *(e(folder, ckpt) if callable(e) else e for e in extra)]
+
+    return args
+
+
+def write(rel: str, data: bytes = b"kept"):
+    def setup(folder: Path, ckpt: Path) -> None:
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+
+    return setup
+
+
+def truncated_npz() -> bytes:
+    """An answers file cut short, as a crash mid-write left it before writes were atomic."""
+    buffer = io.BytesIO()
+    np.savez(buffer, tokens=np.zeros((8, 64), np.int32), lengths=np.ones(8, np.int32))
+    return buffer.getvalue()[:200]
+
+
+CASES = [
+    Case("train-seqs-0", "train", tiny_args("ppd", "--train-seqs", "0"),
+         "--train-seqs: must be at least 1, got 0"),
+    Case("train-seqs-negative", "train", tiny_args("medusa", "--train-seqs", "-3"),
+         "--train-seqs: must be at least 1, got -3"),
+    Case("steps-0", "train", tiny_args("chimera", "--steps", "0"), "--steps: must be at least 1"),
+    Case("seed-too-big", "train", tiny_args("sdsat", "--seed", str(2**64)), "--seed: a seed is"),
+    Case("lr-inf", "train", tiny_args("firp", "--lr", "inf"), "--lr: 'inf' is not a finite"),
+    Case("layers-text", "train", tiny_args("firp", "--layers", "1,two"),
+         "--layers: takes comma-separated integers"),
+    Case("cpu-tree", "train", tiny_args("sdsat", "--cpu-tree", "bushy"), "unknown tree 'bushy'"),
+    Case("out-not-empty", "train", tiny_args("medusa"), "is not empty; pass --overwrite",
+         setup=write("out/CARD.md"), keep=("out",)),
+    Case("out-under-a-file", "train", tiny_args("ppd", "--out", lambda f, _: f / "f" / "sub"),
+         "is a file, not a folder", setup=write("f"), keep=("f",)),
+    Case("out-in-proc", "train", tiny_args("ppd", "--out", "/proc/jaxspec-out"),
+         "--out /proc/jaxspec-out is not writable"),
+    Case("out-is-the-model", "train", tiny_args("ppd", "--out", lambda _, c: c, "--overwrite"),
+         "would overwrite the source"),
+    Case("work-dir-under-a-file", "train",
+         tiny_args("sdsat", "--work-dir", lambda f, _: f / "f" / "work"),
+         "--work-dir", setup=write("f"), keep=("f",)),
+    Case("damaged-cache", "train", tiny_args("ppd"), f"{CACHE} is damaged (BadZipFile)",
+         setup=write(CACHE, truncated_npz()), keep=(CACHE,)),
+]  # fmt: skip
+
+
+@pytest.fixture
+def ckpt(tiny_ckpt, monkeypatch, tmp_path):
+    """The tiny checkpoint; $JAXSPEC_HOME a fresh folder, for the tools run here too."""
+    monkeypatch.setenv("JAXSPEC_HOME", str(tmp_path / "home"))
+    return tiny_ckpt[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_bad_input_is_one_line(case, ckpt, tmp_path):
+    run_case(case, tmp_path, ckpt)
+
+
+def test_a_second_training_on_a_work_dir_is_refused(ckpt, tmp_path):
+    case = Case("busy", "train", tiny_args("ppd"), f"is in use by process {os.getpid()}")
+    with exclusive(tmp_path / "work"):
+        run_case(case, tmp_path, ckpt)
+
+
+@pytest.mark.parametrize("method", ["medusa", "firp", "chimera", "sdsat", "ppd"])
+def test_the_default_out_is_the_runs_own_folder_in_jaxspec_home(method, ckpt, tmp_path,
+                                                                monkeypatch, capsys):  # fmt: skip
+    """Without --out a trainer writes to $JAXSPEC_HOME/drafters/<model>/<method>-<run>, never
+    the repository's drafters/; the same flags (--overwrite aside) name the same folder."""
+    import importlib
+
+    trainer = importlib.import_module(f"train.{method}")
+    monkeypatch.setattr(trainer, "_train", lambda args, model, *rest: rest[-1])  # -> out
+    args = tiny_args(method)(tmp_path, ckpt)[1:]
+    del args[args.index("--out") : args.index("--out") + 2]
+    out = trainer.train(args)
+    assert out.parent.parent == tmp_path / "home" / "drafters" and REPO_DRAFTERS not in out.parents
+    assert out.name.startswith(f"{method}-")
+    assert f"writing to {out}" in capsys.readouterr().out
+    assert trainer.train([*args, "--overwrite"]) == out
+    assert trainer.train([*args, "--save-every", "7"]) == out  # not a training flag
+    assert trainer.train([*args, "--seed", "7"]) != out
+
+
+def test_a_crash_mid_write_leaves_no_cache_file(tiny_ckpt, tmp_path, monkeypatch):
+    from infer.common import load_model
+    from train.features import extract_sequences
+
+    def crash(file, **arrays):
+        file.write(b"PK\x03\x04 half a zip")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", crash)
+    data = {"tokens": np.arange(16, dtype=np.int32).reshape(2, 8) + 5,
+            "lengths": np.array([8, 6], np.int32)}  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        extract_sequences(load_model(tiny_ckpt[0]), data, tmp_path / "features.npz", batch=2)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_damaged_real_pass_names_its_file(tmp_path):
+    from train.firp import open_array
+
+    path = tmp_path / "keys.npy"
+    np.save(path, np.zeros((4, 8), np.float16))
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(JaxspecError, match=re.escape(f"cache file {path} is damaged")):
+        open_array(path, (4, 8), resume=True)
