@@ -9,6 +9,7 @@ A second, donated program commits the accepted path's keys/values to the cache.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -141,7 +142,7 @@ class Drafter:
 def tree_candidates(logits: jax.Array, tree: TreeSpec) -> jax.Array:
     """Per-depth guesses logits [B,K,V] (K >= max depth) -> candidates [B,T-1]: the node at
     depth d and rank r gets the rank-r token of depth d's guess."""
-    top = jax.lax.top_k(logits, int(tree.rank.max()) + 1)[1]  # [B,K,ranks]
+    top = jax.lax.top_k(logits, tree.width)[1]  # [B,K,width]
     depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
     return top[:, depth, rank].astype(jnp.int32)
 
@@ -164,6 +165,50 @@ def _draft(drafter, params, drafter_params, tree, inputs: DraftInputs, key):
     state = drafter.advance(params, drafter_params, inputs)
     inputs = dataclasses.replace(inputs, state=state)
     return drafter.propose(params, drafter_params, tree, inputs, jax.random.fold_in(key, 7)), state
+
+
+def check_tree_width(tree: TreeSpec, cfg: LlamaConfig) -> None:
+    """A node's guesses are the top `tree.width` tokens of a distribution: at most V."""
+    if tree.width > cfg.vocab_size:
+        raise JaxspecError(
+            f"{tree.label} takes the top {tree.width} guesses per node, more than the model's "
+            f"vocabulary of {cfg.vocab_size} tokens; pick a tree with at most "
+            f"{cfg.vocab_size} guesses per node"
+        )
+
+
+def step_bytes(cfg: LlamaConfig, n_nodes: int, batch: int, cache_len: int) -> int:
+    """Rough peak bytes of a verify step over T = n_nodes tree nodes, batch B and an
+    S = cache_len slot cache (counted too); activations and cache are float32. Of three
+    stages whose big buffers are never live together the largest counts: attention, a layer
+    at a time (scores and probabilities [B,N,T,S+T], the mask [B,T,S+T] bool), the MLP
+    (gate, up and their product [B,T,F]), the logits [B,T,V]. Live throughout: the cache and
+    the tree's new keys and values of every layer, [B,K,S+T,H] each. Close to what XLA:CPU
+    plans for the step (tests/test_speculative.py)."""
+    B, T, S = batch, n_nodes, cache_len
+    attention = B * T * (S + T) * (2 * 4 * cfg.n_heads + 1)
+    mlp = 4 * B * T * 3 * cfg.ffn_dim
+    logits = 4 * B * T * cfg.vocab_size
+    kv = 4 * 2 * cfg.n_layers * B * cfg.n_kv_heads * (S + T) * cfg.head_dim
+    return max(attention, mlp, logits) + kv
+
+
+def available_bytes() -> tuple[int, str]:
+    """-> (bytes a generation may still allocate, where): the default device's limit less
+    what is in use (the weights) on an accelerator, else the host's MemAvailable (its
+    physical memory where /proc/meminfo is missing)."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.platform} device"
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host"  # kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host"
 
 
 @partial(
@@ -292,6 +337,7 @@ class SpeculativeGenerator:
         self.tree = tree or TreeSpec(())
         self.sampling = sampling or Sampling()
         self.max_len = max_len or cfg.max_position
+        check_tree_width(self.tree, cfg)
         self.drafter.check_tree(self.tree)
         self.drafter_state = None
         self._executables: dict[tuple, tuple[Callable, ...]] = {}
@@ -301,9 +347,32 @@ class SpeculativeGenerator:
         return dict(cfg=self.cfg, sampling=self.sampling, tree=self.tree, drafter=self.drafter)
 
     def cache_len(self, prompt_len: int, max_new_tokens: int) -> int:
-        # A step may write max_depth + 1 slots past the last token kept, and a finished row
-        # commits one more step before the host sees it finished (generate_batch).
-        return cache_len(prompt_len, max_new_tokens, 2 * (self.tree.max_depth + 1), self.max_len)
+        # A step may write its accepted path (up to max_depth + 1 slots) past the last token
+        # kept, and a finished row commits one more step before the host sees it finished
+        # (generate_batch).
+        ahead = 2 * (self.tree.max_depth + 1)
+        needed = prompt_len + max_new_tokens + ahead
+        if needed > self.max_len:
+            shallower = " or use a shallower tree" if self.tree.max_depth else ""
+            raise JaxspecError(
+                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens + {ahead} slots "
+                f"that the steps of {self.tree.label} write ahead (2 x (depth "
+                f"{self.tree.max_depth} + 1)) need {needed} positions, which exceeds the cache of "
+                f"{self.max_len} positions; shorten the prompt, lower --max-new-tokens{shallower}"
+            )
+        return cache_len(prompt_len, max_new_tokens, ahead, self.max_len)
+
+    def check_memory(self, batch: int, cache_len: int) -> None:
+        """Refuse, before allocating, a step that would not fit in the memory available."""
+        need = step_bytes(self.cfg, self.tree.n_nodes, batch, cache_len)
+        have, where = available_bytes()
+        if need > have:
+            raise JaxspecError(
+                f"a verify step of {self.tree.label} with batch {batch} and a {cache_len}-slot "
+                f"cache needs about {need / 1e9:.1f} GB, more than the {have / 1e9:.1f} GB "
+                f"available ({where}); use a smaller tree, fewer prompts at once or fewer "
+                "--max-new-tokens"
+            )
 
     def _programs(self, pre_args, cache: KVCache) -> tuple[tuple[Callable, ...], float]:
         """AOT-compiled (prefill, step, commit prompt, commit path, redraft or None) for
@@ -380,6 +449,7 @@ class SpeculativeGenerator:
         for p in prompts:
             self.cache_len(len(p), max_new_tokens)  # clear errors for empty/too long prompts
         S = self.cache_len(P, max_new_tokens)
+        self.check_memory(B, S)
         Pb = min(bucket(P, MIN_PROMPT_BUCKET), S)
         tokens = np.zeros((B, Pb), np.int32)
         for row, p in enumerate(prompts):

@@ -62,15 +62,17 @@ class TreeSpec:
 
     @property
     def width(self) -> int:
-        """The most guesses any node takes from one distribution: the top-k it needs."""
+        """The top-k the tree takes from a distribution of guesses: its largest rank + 1."""
         return int(self.rank.max()) + 1
 
     @property
     def label(self) -> str:
-        """How messages name the tree: `name (T nodes)`, or `a T-node tree`."""
-        return f"tree {self.name} ({self.n_nodes} nodes)" if self.name else (
-            f"a {self.n_nodes}-node tree"
-        )
+        """How messages name the tree: `tree NAME (T nodes)`, `a T-node tree` unnamed."""
+        if not self.paths:
+            return "the empty tree (AR)"
+        if self.name:
+            return f"tree {self.name} ({self.n_nodes} nodes)"
+        return f"a {self.n_nodes}-node tree"
 
     @property
     def max_depth(self) -> int:

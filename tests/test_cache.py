@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +120,36 @@ def test_split_bfloat16_parts_sum_exactly_to_float32():
     assert parts.dtype == jnp.bfloat16 and parts.shape == (15, 64)
     p = np.asarray(parts.astype(jnp.float32), np.float64).reshape(3, 5, 64)
     np.testing.assert_array_equal(p[0] + p[1] + p[2], np.asarray(x, np.float64))
+
+
+def test_the_cache_limit_counts_the_slots_a_tree_writes_ahead():
+    """chain-4: a step writes up to 5 slots past the last kept token, and a finished row
+    one more step (2 x 5): a 49-token prompt + 5 new tokens fills a 64-slot cache exactly,
+    and decodes as AR does with every draft accepted; one more prompt token is refused, with
+    the numbers of the real requirement."""
+    from jaxspec.decode import SpeculativeGenerator
+    from jaxspec.errors import JaxspecError
+    from jaxspec.tree import tree_preset
+    from tests.drafters import OracleDrafter
+
+    cfg = dataclasses.replace(preset("tiny-gqa"), eos_token_ids=())
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    prompt = list(range(3, 52))
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 5).token_ids
+    reference = jnp.asarray(prompt + ar + [0] * 8, jnp.int32)
+    drafter, tree = OracleDrafter(cfg.vocab_size), tree_preset("chain-4")
+    gen = SpeculativeGenerator(cfg, params, drafter, reference, tree, max_len=64)
+    assert gen.cache_len(49, 5) == 64
+    result = gen.generate(prompt, 5)
+    assert result.token_ids == ar and result.steps == 2  # the prefill, one 5-token step
+    message = (
+        "prompt of 50 tokens + 5 new tokens + 10 slots that the steps of tree chain-4 "
+        "(5 nodes) write ahead (2 x (depth 4 + 1)) need 65 positions, which exceeds the cache "
+        "of 64 positions"
+    )
+    with pytest.raises(JaxspecError, match=re.escape(message)):
+        gen.generate([*prompt, 7], 5)
+    with pytest.raises(
+        JaxspecError, match=re.escape("+ 2 slots that the steps of the empty tree (AR)")
+    ):
+        SpeculativeGenerator(cfg, params, max_len=64).generate([*prompt, 7], 13)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.checkpoint import load_checkpoint
 from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
@@ -45,6 +47,40 @@ def test_a_trained_head_changes_the_guesses_not_the_output():
     assert plain.last_stats.matches != trained.last_stats.matches
 
 
+@pytest.mark.parametrize("method", ["ar", "ppd"])
+def test_compilation_is_reported_and_kept_out_of_the_timings(tiny_ckpt, method):
+    """AR's contract, for PPD too: the first call in a prompt bucket and cache length
+    reports its compilation as compile_s and compiles nothing once tokens stream (so the
+    timings behind tokens/s exclude it); a second call in those buckets compiles nothing."""
+    cfg, params = load_checkpoint(tiny_ckpt[0], jnp.float32)
+    cfg = dataclasses.replace(cfg, eos_token_ids=())
+    gen = SpeculativeGenerator(cfg, params) if method == "ar" else PpdGenerator(cfg, params, 2, 1)
+    events: list[str] = []
+
+    def on_compile(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append("compile")
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        first = gen.generate([5, 6, 7], 30, on_tokens=lambda ids: events.append("tokens"))
+        streamed = events[events.index("tokens") :]
+        events.clear()
+        again = gen.generate([9, 8, 7, 6], 25)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert first.compile_s > 0 and "compile" not in streamed and len(first.token_ids) == 30
+    assert again.compile_s == 0 and events == []
+
+
+def test_a_prompt_bucket_longer_than_the_cache_is_cut_to_it():
+    """A 17-token prompt (bucket 24) and a 20-slot cache, as SpeculativeGenerator allows."""
+    cfg, params = deep_tiny(n_layers=4)
+    prompt = list(range(3, 20))
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 2).token_ids
+    assert PpdGenerator(cfg, params, 2, 2, max_len=20).generate(prompt, 2).token_ids == ar
+
+
 @pytest.mark.parametrize(
     "k, layer, devices, message",
     [
@@ -65,7 +101,8 @@ def test_ppd_training_resumes_and_ships_heads(tiny_ckpt, tmp_path):
     from infer.common import build_generator, load_model
 
     common = [*tiny_training_args(tiny_ckpt[0], tmp_path, train_seqs=6, test_seqs=3,
-                                  new_tokens=16), "--layers", "1,2", "--rows", "8"]  # fmt: skip
+                                  new_tokens=16), "--layers", "1,2", "--rows", "8",
+              "--overwrite"]  # fmt: skip
     first, second = train_on_made_up_conversations(
         ppd, [*common, "--steps", "2"], [*common, "--steps", "4"]
     )

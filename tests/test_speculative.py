@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from jaxspec.config import LlamaConfig, preset
-from jaxspec.decode import SpeculativeGenerator, prefill_and_draft, redraft, speculative_step
+from jaxspec.decode import (
+    SpeculativeGenerator,
+    prefill_and_draft,
+    redraft,
+    speculative_step,
+    step_bytes,
+)
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import compute_params, forward, init_params
@@ -269,3 +275,59 @@ def test_searched_trees_from_measured_accuracy():
     trees = searched_trees(cumulative, sizes=(3, 4))
     assert trees["searched-3"] == [[0], [0, 0]]  # 0.5, then 0.5*0.3=0.15 beats 0.1
     assert trees["searched-4"] == [[0], [1], [0, 0]]
+
+
+def test_a_tree_wider_than_the_vocabulary_is_refused_when_built():
+    cfg, params = tiny()  # V = 97
+    with pytest.raises(JaxspecError, match="comb-2-500 .* top 500 guesses .* vocabulary of 97"):
+        SpeculativeGenerator(cfg, params, RandomDrafter(97), None, tree_preset("comb-2-500"))
+    SpeculativeGenerator(cfg, params, RandomDrafter(97), None, tree_preset("comb-2-97"))
+
+
+@pytest.mark.parametrize(
+    "name, tree_name, S, B",
+    [("tiny-gqa", "cpu-16", 256, 1), ("tiny-gqa", "comb-4-20", 256, 2),
+     ("tiny-mqa", "comb-3-90", 128, 1), ("tiny-mqa", "comb-8-60", 384, 2)],
+)  # fmt: skip
+def test_step_bytes_is_close_to_what_xla_plans(name, tree_name, S, B):
+    """The estimate against the compiled step's temporary buffers plus its cache."""
+    cfg, tree = preset(name), tree_preset(tree_name)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    cache = jax.eval_shape(lambda: init_cache(cfg, B, S))
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    step = speculative_step.lower(
+        params, None, cache, ints(B), ints(B, tree.n_nodes - 1), key, None, cfg=cfg,
+        sampling=Sampling(), tree=tree, drafter=RandomDrafter(cfg.vocab_size),
+    ).compile()  # fmt: skip
+    planned = step.memory_analysis().temp_size_in_bytes + sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)
+    )
+    assert 0.8 < step_bytes(cfg, tree.n_nodes, B, S) / planned < 1.25
+
+
+def test_step_bytes_on_the_default_models_shape():
+    cfg = preset("smollm2-135m")  # SmolLM2-135M's config; no weights
+    assert step_bytes(cfg, tree_preset("comb-4-4000").n_nodes, 1, 192) > 10e9
+    assert step_bytes(cfg, tree_preset("gpu-63").n_nodes, 1, cfg.max_position) < 1e9
+    assert step_bytes(cfg, 64, 3, 256) == 3 * step_bytes(cfg, 64, 1, 256)
+    # While the logits are the largest buffer, a node costs its logits row and its keys and
+    # values in every layer.
+    per_node = 4 * cfg.vocab_size + 4 * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    grows = [step_bytes(cfg, T + 1, 1, 256) - step_bytes(cfg, T, 1, 256) for T in (8, 64, 512)]
+    assert grows == [per_node] * 3
+
+
+def test_a_step_too_large_for_memory_is_refused_before_compiling(monkeypatch):
+    import jaxspec.decode as decode
+
+    cfg, params = tiny()
+    gen = SpeculativeGenerator(cfg, params, RandomDrafter(97), None, tree_preset("cpu-16"))
+    need = step_bytes(cfg, 16, 2, gen.cache_len(3, 20))
+    monkeypatch.setattr(decode, "available_bytes", lambda: (need - 1, "host"))
+    message = "tree cpu-16 \\(16 nodes\\) with batch 2 and a 128-slot cache needs about"
+    with pytest.raises(JaxspecError, match=message):
+        gen.generate_batch([[5, 6, 7], [8, 9]], 20)
+    assert gen._executables == {}
+    monkeypatch.setattr(decode, "available_bytes", lambda: (need, "host"))
+    gen.generate_batch([[5, 6, 7], [8, 9]], 20)
