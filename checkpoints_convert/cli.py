@@ -40,8 +40,8 @@ def main(argv=None) -> None:
 
 
 def _main(argv) -> None:
-    from checkpoints_convert.convert import convert
-    from checkpoints_convert.default_model import packaged_gguf
+    from jaxspec.convert import convert
+    from jaxspec.convert.default_model import packaged_gguf
 
     args = parse_args(argv)
     src = args.src or packaged_gguf()

@@ -20,15 +20,6 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from infer.common import (
-    DTYPES,
-    METHODS,
-    SDSAT_LOOPS,
-    build_generator,
-    check_method,
-    load_model,
-    provide_devices,
-)
 from jaxspec.cli import (
     ArgumentParser,
     nonnegative_int,
@@ -41,6 +32,8 @@ from jaxspec.cli import (
 from jaxspec.data.sources import load_questions
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
+from jaxspec.methods import METHODS, SDSAT_LOOPS, build_generator, check_method, provide_devices
+from jaxspec.models import DTYPES, load_model
 from jaxspec.outputs import atomic_path, check_output_file, write_text
 from jaxspec.sampling import Sampling
 from jaxspec.text import encode_conversation

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import sys
 
-from infer.common import DRAFTERS_DIR, build_generator, fastest_dtype, load_model
 from jaxspec.cli import run_main
+from jaxspec.methods import DRAFTERS_DIR, build_generator
+from jaxspec.models import fastest_dtype, load_model
 from jaxspec.text import TextStream, encode_prompt
 
 DEFAULT_PROMPT = "Write a short poem about the sea."

@@ -7,15 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from infer.common import (
-    DTYPES,
-    METHODS,
-    SDSAT_LOOPS,
-    build_generator,
-    check_method,
-    load_model,
-    provide_devices,
-)
 from jaxspec.cli import (
     ArgumentParser,
     nonnegative_int,
@@ -26,6 +17,8 @@ from jaxspec.cli import (
     temperature,
 )
 from jaxspec.errors import JaxspecError
+from jaxspec.methods import METHODS, SDSAT_LOOPS, build_generator, check_method, provide_devices
+from jaxspec.models import DTYPES, load_model
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
 

@@ -6,9 +6,9 @@ import time
 
 import numpy as np
 
-from checkpoints_convert.keys import params_to_hf
 from jaxspec.checkpoint import flatten_params
 from jaxspec.config import LlamaConfig
+from jaxspec.convert.keys import params_to_hf
 
 
 class HFPeer:

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.common import DTYPES, load_model
 from jaxspec.kv_cache import causal_mask, init_cache
 from jaxspec.llama import compute_params, embed, forward
+from jaxspec.models import DTYPES, load_model
 
 IN_OUT = "bfloat16-in-out"
 
@@ -58,8 +58,8 @@ def forward_ms(cfg, params, rows: int, context: int, repeats: int, adapter=None)
 
 def load_sdsat(model, folder: Path | None):
     """-> (the SDSAT drafter in `folder` (None: the shipped one), its stored params)."""
-    from infer.common import DRAFTERS_DIR, make_drafter
     from jaxspec.drafters.store import load_drafter
+    from jaxspec.methods import DRAFTERS_DIR, make_drafter
 
     folder = folder or DRAFTERS_DIR / model.cfg.name / "sdsat"
     settings, dparams = load_drafter(folder, "sdsat", model.cfg)

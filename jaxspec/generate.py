@@ -43,6 +43,7 @@ class GenerationResult:
     prefill_s: float
     decode_s: float
     compile_s: float  # compilation done for this call (0 once warm)
+    text: str = ""  # the new tokens decoded (filled by jaxspec.Generator)
 
     @property
     def new_tokens(self) -> int:

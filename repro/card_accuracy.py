@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from infer.common import DRAFTERS_DIR, load_model
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import load_drafter
+from jaxspec.methods import DRAFTERS_DIR
+from jaxspec.models import load_model
 from train import firp, medusa, ppd
 from train.features import answer_features, self_answers
 

@@ -34,9 +34,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from infer.common import DRAFTERS_DIR, load_model, make_drafter
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.store import load_drafter
+from jaxspec.methods import DRAFTERS_DIR, make_drafter
+from jaxspec.models import load_model
 from jaxspec.tree import expected_tokens_per_step, per_rank_accuracy, search_tree
 from repro.plots import plot_topk, run_part
 from train import chimera as chimera_train

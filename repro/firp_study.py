@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.common import DRAFTERS_DIR, load_model, make_drafter
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.firp import pseudo_forward
 from jaxspec.drafters.store import load_drafter
+from jaxspec.methods import DRAFTERS_DIR, make_drafter
+from jaxspec.models import load_model
 from repro.plots import plot_topk, run_part
 from train import firp as firp_train
 
@@ -240,8 +241,8 @@ def part_masked(args, model) -> dict:
 
 def part_trees(args, model) -> dict:
     from infer.bench import select
-    from infer.common import build_generator
     from jaxspec.data.sources import load_questions
+    from jaxspec.methods import build_generator
     from jaxspec.text import encode_prompt
 
     if not args.questions:

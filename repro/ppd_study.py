@@ -21,9 +21,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from infer.common import DRAFTERS_DIR, build_generator, load_model, provide_devices
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.store import load_drafter
+from jaxspec.methods import DRAFTERS_DIR, build_generator, provide_devices
+from jaxspec.models import load_model
 from jaxspec.ppd import head_name
 from jaxspec.ppd_theory import (
     compute_per_time_unit,

@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from infer import bench
-from infer.common import DTYPES, load_model
 from infer.humaneval import pass_at_1
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.data.sources import humaneval_problems, sharegpt_split
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import forward
+from jaxspec.models import DTYPES, load_model
 from repro.plots import plot_topk, run_part
 from train.features import conversation_ids
 
@@ -112,8 +112,8 @@ def part_sampling(args, model) -> dict:
 def part_trees(args, model) -> dict:
     """Top-1..5 accuracy of the shipped adapter's drafts per depth (40 ShareGPT test
     answers, as its card) and `searched-N` trees from it (the shipped drafter.json's)."""
-    from infer.common import DRAFTERS_DIR, make_drafter
     from jaxspec.drafters.store import load_drafter
+    from jaxspec.methods import DRAFTERS_DIR, make_drafter
     from train import sdsat as sdsat_train
     from train.features import self_answers
 

@@ -127,7 +127,7 @@ def _free_compiled_programs():
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """(jaxspec checkpoint folder, HF model) for a GQA model with a tokenizer."""
-    from checkpoints_convert.convert import convert
+    from jaxspec.convert import convert
 
     tmp = tmp_path_factory.mktemp("tiny")
     hf_dir, model = save_tiny(tmp, n_kv_heads=2)

@@ -62,7 +62,7 @@ SETTINGS = {
 
 
 def _initial_drafter(method: str, ckpt: Path):
-    from infer.common import make_drafter
+    from jaxspec.methods import make_drafter
 
     cfg, params = load_checkpoint(ckpt)
     drafter = make_drafter(method, cfg, SETTINGS[method])

@@ -114,7 +114,7 @@ def test_the_default_out_is_the_runs_own_folder_in_jaxspec_home(method, ckpt, tm
 
 
 def test_a_crash_mid_write_leaves_no_cache_file(tiny_ckpt, tmp_path, monkeypatch):
-    from infer.common import load_model
+    from jaxspec.models import load_model
     from train.features import extract_sequences
 
     def crash(file, **arrays):

@@ -182,8 +182,9 @@ def trained_chimera(tiny_ckpt, tmp_path_factory):
 def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
     import json
 
-    from infer.common import load_model, make_drafter
     from jaxspec.drafters.store import load_drafter
+    from jaxspec.methods import make_drafter
+    from jaxspec.models import load_model
 
     out, first, second, ckpt = trained_chimera
     assert first["steps"] == 6 and second["steps"] == 10
@@ -389,7 +390,8 @@ def test_a_transformer_bottom_trains_but_its_drafter_is_refused(tiny_ckpt, tmp_p
     import json
 
     import train.chimera as chimera
-    from infer.common import build_generator, load_model
+    from jaxspec.methods import build_generator
+    from jaxspec.models import load_model
 
     args = [*tiny_training_args(tiny_ckpt[0], tmp_path), "--rows", "8", "--heads", "2",
             "--steps", "2", "--bottom", "transformer"]  # fmt: skip

@@ -9,11 +9,11 @@ import pytest
 
 from infer.bench import main as bench_main
 from infer.bench import match_reference
-from infer.common import resolve_tree
 from infer.generate import main as generate_main
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
+from jaxspec.methods import resolve_tree
 from jaxspec.text import encode_prompt
 from tests.conftest import one_line_error, tiny_tokenizer
 from train.cli import main as train_main
@@ -105,7 +105,7 @@ def test_unknown_tree_names_the_drafters_own():
 
 def test_generate_missing_model(tmp_path, capsys):
     err = one_line_error(generate_main, ["--model", str(tmp_path / "none"), "hi"], capsys)
-    assert "no jaxspec checkpoint" in err and "jaxspec-convert" in err
+    assert "no model at" in err and "jaxspec-convert" in err
 
 
 def test_bench_ar_and_hf_agree(tiny_ckpt, tmp_path, capsys):
@@ -203,7 +203,7 @@ def test_rowcost_times_every_dtype_and_order(tiny_ckpt, capsys):
 
 
 def test_fastest_dtype_is_bfloat16_only_with_amx(tmp_path):
-    from infer.common import fastest_dtype
+    from jaxspec.models import fastest_dtype
 
     amx, avx = tmp_path / "amx", tmp_path / "avx"
     amx.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from checkpoints_convert.cli import main as convert_main
-from checkpoints_convert.convert import convert
-from checkpoints_convert.from_gguf import unpermute_rope_rows
 from jaxspec.checkpoint import WEIGHTS_FILE, load_checkpoint
+from jaxspec.convert import convert
+from jaxspec.convert.gguf import unpermute_rope_rows
 from jaxspec.errors import JaxspecError
 from tests.conftest import one_line_error, save_tiny
 

@@ -18,8 +18,8 @@ def models():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from checkpoints_convert.default_model import packaged_gguf
-    from infer.common import load_model
+    from jaxspec.convert.default_model import packaged_gguf
+    from jaxspec.models import load_model
 
     gguf = packaged_gguf()  # transformers dequantises and un-permutes it independently of us
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -91,7 +91,7 @@ def test_random_drafter_is_lossless_on_the_default_model(models):
     ],  # fmt: skip
 )
 def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree):
-    from infer.common import build_generator
+    from jaxspec.methods import build_generator
     from jaxspec.text import encode_prompt
 
     ours, _ = models
@@ -106,7 +106,7 @@ def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree
 @pytest.mark.parametrize("layer", [None, 25])
 def test_ppd_is_greedy_on_the_default_model(models, layer):
     """4 virtual devices (tests/conftest.py), k = 3, the shipped head for the layer."""
-    from infer.common import build_generator
+    from jaxspec.methods import build_generator
     from jaxspec.text import encode_prompt
 
     ours, _ = models
@@ -124,8 +124,8 @@ def test_bfloat16_weights_stay_lossless_on_the_default_model(models, method):
     16-node tree gives bfloat16 AR's tokens (bfloat16 activations flipped near-ties here)."""
     import dataclasses
 
-    from infer.common import build_generator
     from jaxspec.llama import compute_params
+    from jaxspec.methods import build_generator
     from jaxspec.text import encode_prompt
 
     ours, _ = models

@@ -190,8 +190,9 @@ def trained_firp(tiny_ckpt, tmp_path_factory):
 def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     import json
 
-    from infer.common import load_model, make_drafter, place_firp_chains
     from jaxspec.drafters.store import load_drafter
+    from jaxspec.methods import make_drafter, place_firp_chains
+    from jaxspec.models import load_model
 
     out, first, second, ckpt = trained_firp
     assert set(first["final_loss_per_step"]) == {1, 2}
@@ -261,7 +262,7 @@ def test_projecting_drafts_with_the_verify_rows_changes_nothing(tree_name):
 
 
 def test_chain_placement_options():
-    from infer.common import place_firp_chains
+    from jaxspec.methods import place_firp_chains
 
     drafter, tree = FirpDrafter(tiny()[0], (1, 2)), tree_preset("cpu-8")
     assert place_firp_chains(drafter, tree, {}, None) is drafter  # default: every node

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints_convert.convert import convert
 from jaxspec.checkpoint import load_checkpoint
+from jaxspec.convert import convert
 from jaxspec.kv_cache import causal_mask, init_cache
 from jaxspec.llama import forward
 from tests.conftest import VOCAB, save_tiny

@@ -98,7 +98,8 @@ def test_bad_settings_are_clear_errors(k, layer, devices, message):
 
 def test_ppd_training_resumes_and_ships_heads(tiny_ckpt, tmp_path):
     import train.ppd as ppd
-    from infer.common import build_generator, load_model
+    from jaxspec.methods import build_generator
+    from jaxspec.models import load_model
 
     common = [*tiny_training_args(tiny_ckpt[0], tmp_path, train_seqs=6, test_seqs=3,
                                   new_tokens=16), "--layers", "1,2", "--rows", "8",

@@ -173,8 +173,9 @@ def trained_sdsat(tiny_ckpt, tmp_path_factory):
 
 
 def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
-    from infer.common import build_generator, load_model
     from jaxspec.drafters.store import load_drafter
+    from jaxspec.methods import build_generator
+    from jaxspec.models import load_model
 
     out, first, second, ckpt = trained_sdsat
     assert first["steps"] == 4 and second["steps"] == 7
@@ -284,7 +285,8 @@ def test_full_fine_tuning_extends_the_vocabulary_and_decodes_losslessly(tiny_ckp
     """Mode (a): the checkpoint gains the adaptive ids (its rows are the drafter's), and
     two-step decoding with the fine-tuned model equals that model's own AR."""
     import train.sdsat as sdsat
-    from infer.common import build_generator, load_model
+    from jaxspec.methods import build_generator
+    from jaxspec.models import load_model
 
     args = ["--model", str(tiny_ckpt[0]), "--work-dir", str(tmp_path / "work"),
             "--out", str(tmp_path / "full"), "--mode", "full", "--train-seqs", "6",

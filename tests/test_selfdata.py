@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from infer.common import load_model
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.models import load_model
 from tests.test_medusa import conversations
 from train.features import extract_sequences
 from train.selfdata import generate_answers

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infer.common import build_generator, default_tree
+from jaxspec.methods import build_generator, default_tree
 from jaxspec.outputs import write_text
 
 PROMPTS = 10

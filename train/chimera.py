@@ -28,7 +28,6 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import nonnegative_int, positive_float, positive_int
 from jaxspec.drafters.chimera import (
@@ -39,6 +38,7 @@ from jaxspec.drafters.chimera import (
 )
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
+from jaxspec.models import load_model
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
 from train.args import default_out, nonnegative_float, parse, trainer_parser, training_run

@@ -27,7 +27,6 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import positive_int
 from jaxspec.data.sources import split_tag
@@ -35,6 +34,7 @@ from jaxspec.drafters.firp import FirpDrafter, apply_map, pseudo_forward, real_c
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
+from jaxspec.models import load_model
 from jaxspec.outputs import write_text
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance

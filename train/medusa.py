@@ -27,13 +27,13 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import positive_float, positive_int
 from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import lm_logits
+from jaxspec.models import load_model
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
 from train.args import default_out, parse, trainer_parser, training_run

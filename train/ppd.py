@@ -22,13 +22,13 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import positive_int
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.models import load_model
 from jaxspec.ppd import early_logits, head_name
 from train.args import default_out, int_list, parse, trainer_parser, training_run
 from train.checkpoints import command_flags, resume_training, run_record, save

@@ -33,7 +33,6 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from infer.common import load_model
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import nonnegative_int, positive_int
 from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
@@ -41,6 +40,7 @@ from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
+from jaxspec.models import load_model
 from jaxspec.tree import searched_trees, tree_preset
 from train.acceptance import measure_acceptance
 from train.args import default_out, parse, rate, trainer_parser, training_run

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from checkpoints_convert.from_gguf import load_gguf
-from checkpoints_convert.hf import load_hf_folder, load_tokenizer, save_hf_folder
 from jaxspec.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
+from jaxspec.convert.gguf import load_gguf
+from jaxspec.convert.hf import load_hf_folder, load_tokenizer, save_hf_folder
 from jaxspec.errors import JaxspecError
 from jaxspec.outputs import check_output_dir
 

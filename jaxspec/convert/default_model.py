@@ -31,7 +31,7 @@ def ensure_default_model() -> Path:
     """The converted default model's folder, converting it on first use."""
     out = default_model_dir()
     if not is_checkpoint(out):
-        from checkpoints_convert.convert import convert
+        from jaxspec.convert import convert
 
         check_writable_dir(out, "the model cache ($JAXSPEC_HOME)")
         print(f"converting the default model into {out} (first use only) ...", flush=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoints_convert.keys import params_from_hf
 from jaxspec.config import LlamaConfig
+from jaxspec.convert.keys import params_from_hf
 from jaxspec.errors import JaxspecError
 
 _GLOBAL_NAMES = {

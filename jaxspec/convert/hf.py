@@ -9,9 +9,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from checkpoints_convert.keys import params_from_hf, params_to_hf
 from jaxspec.checkpoint import flatten_params
 from jaxspec.config import LlamaConfig
+from jaxspec.convert.keys import params_from_hf, params_to_hf
 from jaxspec.errors import JaxspecError
 
 

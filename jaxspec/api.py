@@ -1,0 +1,172 @@
+"""The front door: a `Generator` turns a loaded model and a method into text.
+
+    model = jaxspec.load_model()
+    gen = jaxspec.Generator(model, method="firp")
+    out = gen.generate("Explain KV caches.", max_new_tokens=64)
+
+A prompt is text (the chat template applied, as the CLI does; `chat=False` to encode it
+as is) or a list of token ids (used as given); a list of prompts is a batch. Sampling
+settings are per call; each distinct setting compiles its programs once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from jaxspec.errors import JaxspecError
+from jaxspec.generate import GenerationResult
+from jaxspec.methods import DRAFTERS_DIR, build_generator, check_method
+from jaxspec.models import LoadedModel
+from jaxspec.sampling import Sampling
+from jaxspec.text import TextStream, encode_prompt
+
+Prompt = str | list[int]
+
+
+class Generator:
+    """Speculative (or plain, method="ar") generation with one method's drafter.
+
+    drafter: a drafter folder (None: the one shipped for the model); tree: a tree preset or
+    one the drafter ships (None: the method's default for this backend); max_len: cache
+    length limit (None: the model's context). ppd_k / ppd_layer, firp_chains and
+    sdsat_loop are those methods' options (see `jaxspec-generate --help`)."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        method: str = "ar",
+        *,
+        drafter: str | Path | None = None,
+        tree: str | None = None,
+        max_len: int | None = None,
+        chat: bool = True,
+        ppd_k: int = 3,
+        ppd_layer: int | None = None,
+        firp_chains: int | None = None,
+        sdsat_loop: str | None = None,
+    ):
+        check_method(method)
+        self.model, self.method, self.chat = model, method, chat
+        self._options = dict(
+            drafter_dir=Path(drafter) if drafter is not None else None, tree=tree,
+            max_len=max_len, ppd_k=ppd_k, ppd_layer=ppd_layer, firp_chains=firp_chains,
+            sdsat_loop=sdsat_loop,
+        )  # fmt: skip
+        self._built: dict[Sampling, object] = {}
+        self._decoder(Sampling())  # a bad drafter, tree or option fails here, not later
+
+    def _decoder(self, sampling: Sampling):
+        if sampling not in self._built:
+            self._built[sampling] = build_generator(
+                self.model, self.method, sampling=sampling, **self._options
+            )
+        return self._built[sampling]
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: text through the tokenizer (and chat template), ids as given."""
+        if isinstance(prompt, str):
+            if self.model.tokenizer is None:
+                raise JaxspecError(
+                    f"the model at {self.model.path} has no tokenizer: pass token ids"
+                )
+            return encode_prompt(self.model.tokenizer, prompt, chat=self.chat)
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            bad = [t for t in prompt if not 0 <= t < self.model.cfg.vocab_size]
+            if bad:
+                raise JaxspecError(
+                    f"token id {bad[0]} is outside the vocabulary "
+                    f"(0..{self.model.cfg.vocab_size - 1})"
+                )
+            return list(prompt)
+        raise JaxspecError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+
+    def _decode_text(self, ids: list[int]) -> str:
+        if self.model.tokenizer is None:
+            return ""
+        return self.model.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        max_new_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> GenerationResult | list[GenerationResult]:
+        """One prompt -> its result; a list of prompts -> one result each, decoded together
+        as a batch (greedy results equal one-at-a-time ones)."""
+        batch = _is_batch(prompts)
+        ids = [self.encode(p) for p in (prompts if batch else [prompts])]
+        if not ids:
+            raise JaxspecError("no prompts: pass a prompt or a non-empty list of prompts")
+        decoder = self._decoder(Sampling(temperature, top_k, top_p))
+        results = [
+            dataclasses.replace(r, text=self._decode_text(r.token_ids))
+            for r in decoder.generate_batch(ids, max_new_tokens, _check_seed(seed))
+        ]
+        return results if batch else results[0]
+
+    def stream(
+        self,
+        prompt: Prompt,
+        max_new_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> Iterator[str]:
+        """The generated text, piece by piece as the steps accept tokens."""
+        if _is_batch(prompt):
+            raise JaxspecError("stream takes one prompt; use generate for a batch")
+        ids = self.encode(prompt)
+        decoder = self._decoder(Sampling(temperature, top_k, top_p))
+        text = TextStream(self.model.tokenizer) if self.model.tokenizer is not None else None
+        pieces: queue.Queue = queue.Queue()
+        done = object()
+
+        def run():
+            try:
+                decoder.generate(ids, max_new_tokens, _check_seed(seed), pieces.put)
+                pieces.put(done)
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                pieces.put(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        while (item := pieces.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            piece = text.push(item) if text is not None else ""
+            if piece:
+                yield piece
+
+
+def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None):
+    """(settings, weights) of a drafter folder (None: the one shipped for the model),
+    checked against the model."""
+    from jaxspec.drafters.store import load_drafter as load
+
+    check_method(method)
+    if method == "ar":
+        raise JaxspecError("method 'ar' has no drafter")
+    return load(Path(path) if path else DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+
+
+def _is_batch(prompts) -> bool:
+    return isinstance(prompts, (list, tuple)) and any(
+        isinstance(p, (str, list, tuple)) for p in prompts
+    )
+
+
+def _check_seed(seed: int) -> int:
+    if not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise JaxspecError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
+    return seed

@@ -1,0 +1,67 @@
+"""Loading a model to decode with: the default one (converted on first use), a jaxspec
+checkpoint, an HF folder or a .gguf file, with its tokenizer, in the dtype asked for."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.checkpoint import default_dtype, is_checkpoint, load_checkpoint
+from jaxspec.config import LlamaConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.llama import compute_params
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    path: Path
+    cfg: LlamaConfig
+    params: dict
+    tokenizer: object
+
+    @property
+    def weight_dtype(self):
+        """What drafter weights are cast to, so that they multiply like the model's."""
+        return jax.tree.leaves(self.params)[0].dtype
+
+
+def fastest_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The weight dtype that decodes fastest here (BENCHMARKS.md): bfloat16 on accelerators
+    and on CPUs with AMX-BF16, float32 on other CPUs."""
+    if jax.default_backend() != "cpu":
+        return "bfloat16"
+    try:
+        words = cpuinfo.read_text().split()
+    except OSError:
+        return "float32"
+    return "bfloat16" if "amx_bf16" in words else "float32"
+
+
+def load_model(src: str | Path | None = None, dtype: str | None = None) -> LoadedModel:
+    """src: a jaxspec checkpoint folder, an HF folder (safetensors), a .gguf file, or None
+    for the default model (converted into $JAXSPEC_HOME on first use). dtype: "float32" or
+    "bfloat16" weights (None: float32 on CPU, bfloat16 on accelerators, or as stored)."""
+    from jaxspec.convert import load_any
+    from jaxspec.convert.default_model import ensure_default_model
+    from jaxspec.convert.hf import load_tokenizer
+
+    if dtype is not None and dtype not in DTYPES:
+        raise JaxspecError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    path = Path(src) if src else ensure_default_model()
+    if not path.exists():
+        raise JaxspecError(
+            f"no model at {path}: pass a jaxspec checkpoint folder (`jaxspec-convert SRC --out "
+            "DIR` makes one), an HF model folder or a .gguf file"
+        )
+    if is_checkpoint(path):
+        cfg, params = load_checkpoint(path)
+        tokenizer = load_tokenizer(path)
+    else:
+        cfg, params, tokenizer = load_any(path)
+        params = jax.tree.map(lambda a: jnp.asarray(a, default_dtype()), params)
+    return LoadedModel(path, cfg, compute_params(params, dtype), tokenizer)
