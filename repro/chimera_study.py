@@ -177,8 +177,7 @@ def part_timeshare(args, model) -> dict:
 def part_cache(args, model) -> dict:
     import dataclasses
 
-    from infer.bench import select
-    from jaxspec.data.sources import load_questions
+    from jaxspec.data.sources import load_questions, select_questions
     from jaxspec.decode import SpeculativeGenerator
     from jaxspec.text import encode_prompt
     from jaxspec.tree import tree_preset
@@ -187,7 +186,7 @@ def part_cache(args, model) -> dict:
         raise SystemExit("the cache part needs --questions PATH.jsonl (Spec-Bench)")
     prompts = [
         encode_prompt(model.tokenizer, q.turns[0])
-        for q in select(load_questions(args.questions), None, 1)
+        for q in select_questions(load_questions(args.questions), None, 1)
     ]
     settings, raw = load_drafter(DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg)
     chimera = make_drafter("chimera", model.cfg, settings)

@@ -240,14 +240,13 @@ def part_masked(args, model) -> dict:
 
 
 def part_trees(args, model) -> dict:
-    from infer.bench import select
-    from jaxspec.data.sources import load_questions
+    from jaxspec.data.sources import load_questions, select_questions
     from jaxspec.methods import build_generator
     from jaxspec.text import encode_prompt
 
     if not args.questions:
         raise SystemExit("the trees part needs --questions PATH.jsonl (Spec-Bench)")
-    questions = select(load_questions(args.questions), None, args.per_category)
+    questions = select_questions(load_questions(args.questions), None, args.per_category)
     prompts = [encode_prompt(model.tokenizer, q.turns[0]) for q in questions]
     result = {}
     for method in ("medusa", "firp"):

@@ -18,7 +18,6 @@ paper's accept rate (accepted adaptive drafts / k) is (n - 2) / k in greedy deco
 from __future__ import annotations
 
 import argparse
-import json
 from functools import partial
 from pathlib import Path
 
@@ -26,14 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer import bench
-from infer.humaneval import pass_at_1
+from jaxspec.bench import run_benchmark, write_results
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.data.sources import humaneval_problems, sharegpt_split
 from jaxspec.errors import JaxspecError
+from jaxspec.humaneval import pass_at_1
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import forward
 from jaxspec.models import DTYPES, load_model
+from jaxspec.sampling import Sampling
 from repro.plots import plot_topk, run_part
 from train.features import conversation_ids
 
@@ -65,14 +65,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def run_bench(args, methods: list[str], name: str, extra: tuple[str, ...] = ()) -> dict:
+def run_bench(args, methods: list[str], name: str, sampling: Sampling | None = None) -> dict:
+    """jaxspec-bench's rows on HumanEval; the record is also written to OUT/bench/NAME.*"""
     out = args.out / "bench" / f"{name}.json"
-    bench._main([
-        "--methods", ",".join(methods), "--questions", "humaneval", "--limit", str(args.limit),
-        "--max-new-tokens", str(args.max_new_tokens), "--dtype", args.dtype, "--out", str(out),
-        *extra,
-    ])  # fmt: skip
-    return json.loads(out.read_text())
+    result = run_benchmark(
+        methods, "humaneval", limit=args.limit, max_new_tokens=args.max_new_tokens,
+        sampling=sampling, dtype=args.dtype,
+    )  # fmt: skip
+    write_results(result, (out, out.with_suffix(".md"), out.with_suffix(".png")))
+    return result
 
 
 def per_k(result: dict, ks: list[int], tree) -> dict:
@@ -102,8 +103,8 @@ def part_sampling(args, model) -> dict:
     methods = ["ar"] + [f"sdsat@comb-{k + 1}-{args.width}" for k in ks]
     summaries = {}
     for temperature in (0.2, 1.0):
-        extra = ("--temperature", str(temperature), "--top-p", "0.95", "--top-k", str(args.top_k))
-        result = run_bench(args, methods, f"sampling-t{temperature}", extra)
+        sampling = Sampling(temperature, args.top_k, 0.95)
+        result = run_bench(args, methods, f"sampling-t{temperature}", sampling)
         summaries[f"t={temperature}"] = per_k(result, ks, lambda k: f"comb-{k + 1}-{args.width}")
     plot_k(summaries, args.out / "sampling.png")
     return {"width": args.width, "top_p": 0.95, "top_k": args.top_k, **summaries}

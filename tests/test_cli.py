@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from infer.bench import main as bench_main
-from infer.bench import match_reference
+from jaxspec.bench import match_reference
 from infer.generate import main as generate_main
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator

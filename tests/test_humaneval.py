@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infer.humaneval import passes, program
+from jaxspec.humaneval import passes, program
 
 PROBLEM = {
     "prompt": 'def add(a, b):\n    """Sum."""\n',

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.sandbox import network_isolated, run_untrusted
+from jaxspec.sandbox import network_isolated, run_untrusted
 
 SPAWN = 'import subprocess\nprint(subprocess.Popen(["sleep", "60"]{}).pid, flush=True)\n'
 

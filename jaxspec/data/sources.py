@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+from collections import defaultdict
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -155,6 +156,19 @@ def _spec_bench_question(q: dict) -> Question:
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
         raise TypeError(f"turns is {json.dumps(turns)[:60]}")
     return Question(str(q["question_id"]), str(q.get("category", "all")), tuple(turns))
+
+
+def select_questions(questions, limit, per_category):
+    """The first `per_category` questions of each category, then the first `limit`."""
+    if per_category:
+        seen = defaultdict(int)
+        kept = []
+        for q in questions:
+            seen[q.category] += 1
+            if seen[q.category] <= per_category:
+                kept.append(q)
+        questions = kept
+    return questions[:limit] if limit else questions
 
 
 def load_questions(source: str) -> list[Question]:

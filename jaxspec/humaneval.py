@@ -1,6 +1,6 @@
 """HumanEval pass@1 (greedy) for a chat model: each problem's prompt is asked as a chat
 turn, the first Python block of the answer (or the whole answer) is completed into a
-program with the problem's tests, and the program runs in `infer.sandbox` (own session
+program with the problem's tests, and the program runs in `jaxspec.sandbox` (own session
 and temp dir, scrubbed environment, resource limits, no network where the kernel allows,
 not as root, nothing left running afterwards): generated code never runs in this process."""
 
@@ -11,9 +11,9 @@ import warnings
 
 from tqdm import tqdm
 
-from infer.sandbox import network_isolated, run_untrusted
 from jaxspec.data.sources import HUMANEVAL_PROMPT
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.sandbox import network_isolated, run_untrusted
 from jaxspec.text import encode_conversation
 
 CODE_BLOCK = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.DOTALL)
