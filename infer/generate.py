@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from jaxspec import METHODS
+from jaxspec.api import Generator
 from jaxspec.cli import (
     ArgumentParser,
     nonnegative_int,
@@ -17,12 +19,8 @@ from jaxspec.cli import (
     temperature,
 )
 from jaxspec.errors import JaxspecError
-from jaxspec.methods import METHODS, SDSAT_LOOPS, build_generator, check_method, provide_devices
+from jaxspec.methods import SDSAT_LOOPS, check_method, provide_devices
 from jaxspec.models import DTYPES, load_model
-from jaxspec.sampling import Sampling
-from jaxspec.text import TextStream, encode_prompt
-
-ALL_METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
 
 
 def parse_args(argv=None):
@@ -36,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--method",
         default="ar",
-        help=f"one of {', '.join(ALL_METHODS)} (available: {', '.join(METHODS)})",
+        help=f"one of {', '.join(METHODS)}",
     )
     p.add_argument(
         "--model", type=Path, help="jaxspec checkpoint folder (default: SmolLM2-135M-Instruct)"
@@ -96,43 +94,32 @@ def _main(argv) -> None:
     check_options(args)
     if args.method == "ppd":
         provide_devices(args.ppd_k + 1)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.typical)
     prompts = [read_prompt(p) for p in args.prompts]
-    model = load_model(args.model, args.dtype)
-    prompt_ids = [encode_prompt(model.tokenizer, p, chat=not args.no_chat) for p in prompts]
-    generator = build_generator(
-        model, args.method, args.drafter, args.tree, sampling, args.max_len, args.ppd_k,
-        args.ppd_layer, args.firp_chains, args.sdsat_loop,
+    generator = Generator(
+        load_model(args.model, args.dtype), args.method, drafter=args.drafter, tree=args.tree,
+        max_len=args.max_len, chat=not args.no_chat, ppd_k=args.ppd_k,
+        ppd_layer=args.ppd_layer, firp_chains=args.firp_chains, sdsat_loop=args.sdsat_loop,
     )  # fmt: skip
-    if len(prompt_ids) > 1:
-        results = generator.generate_batch(prompt_ids, args.max_new_tokens, args.seed)
+    sampling = dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        typical=args.typical,
+    )  # fmt: skip
+    if len(prompts) > 1:
+        results = generator.generate(prompts, args.max_new_tokens, **sampling)
         for result in results:
-            summary = summarize(args.method, model.tokenizer, result)
-            print(json.dumps(summary) if args.json else f"--- {summary['text']}\n")
-        total, seconds = (
-            sum(r.new_tokens for r in results),
-            results[0].prefill_s + results[0].decode_s,
-        )
-        print(
-            f"[{args.method}] batch of {len(results)}: {total} tokens in {seconds:.1f} s "
-            f"({total / seconds:.1f} tokens/s); compile {results[0].compile_s:.1f} s",
-            file=sys.stderr,
-        )
-        return
-
-    stream = None if args.json else TextStream(model.tokenizer)
-
-    def show(ids):
-        print(stream.push(ids), end="", flush=True)
-
-    result = generator.generate(
-        prompt_ids[0], args.max_new_tokens, args.seed, None if args.json else show
-    )
-    if args.json:
-        print(json.dumps(summarize(args.method, model.tokenizer, result)))
+            print(
+                json.dumps(summarize(args.method, result)) if args.json else f"--- {result.text}\n"
+            )
+        report_batch(args.method, results)
+    elif args.json:
+        result = generator.generate(prompts[0], args.max_new_tokens, **sampling)
+        print(json.dumps(summarize(args.method, result)))
     else:
+        stream = generator.stream(prompts[0], args.max_new_tokens, **sampling)
+        for piece in stream:
+            print(piece, end="", flush=True)
         print()
-        report(args.method, result)
+        report(args.method, stream.result)
 
 
 def read_prompt(arg: str) -> str:
@@ -166,10 +153,10 @@ def check_options(args) -> None:
         raise JaxspecError("--ppd-layer applies to --method ppd only")
 
 
-def summarize(method: str, tokenizer, result) -> dict:
+def summarize(method: str, result) -> dict:
     return {
         "method": method,
-        "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "text": result.text,
         "token_ids": result.token_ids,
         "prompt_tokens": len(result.prompt_ids),
         "new_tokens": result.new_tokens,
@@ -180,6 +167,15 @@ def summarize(method: str, tokenizer, result) -> dict:
         "decode_s": result.decode_s,
         "compile_s": result.compile_s,
     }
+
+
+def report_batch(method: str, results) -> None:
+    total, seconds = sum(r.new_tokens for r in results), results[0].prefill_s + results[0].decode_s
+    print(
+        f"[{method}] batch of {len(results)}: {total} tokens in {seconds:.1f} s "
+        f"({total / seconds:.1f} tokens/s); compile {results[0].compile_s:.1f} s",
+        file=sys.stderr,
+    )
 
 
 def report(method: str, result) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import GenerationResult
-from jaxspec.methods import DRAFTERS_DIR, build_generator, check_method
+from jaxspec.methods import build_generator, check_method
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
@@ -100,14 +100,16 @@ class Generator:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
+        typical: bool = False,
     ) -> GenerationResult | list[GenerationResult]:
         """One prompt -> its result; a list of prompts -> one result each, decoded together
-        as a batch (greedy results equal one-at-a-time ones)."""
+        as a batch (greedy results equal one-at-a-time ones). typical: Medusa's typical
+        acceptance, NOT lossless (see `Sampling`)."""
         batch = _is_batch(prompts)
         ids = [self.encode(p) for p in (prompts if batch else [prompts])]
         if not ids:
             raise JaxspecError("no prompts: pass a prompt or a non-empty list of prompts")
-        decoder = self._decoder(Sampling(temperature, top_k, top_p))
+        decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
         results = [
             dataclasses.replace(r, text=self._decode_text(r.token_ids))
             for r in decoder.generate_batch(ids, max_new_tokens, _check_seed(seed))
@@ -123,41 +125,44 @@ class Generator:
         top_p: float = 1.0,
         top_k: int = 0,
         seed: int = 0,
-    ) -> Iterator[str]:
-        """The generated text, piece by piece as the steps accept tokens."""
+        typical: bool = False,
+    ) -> Stream:
+        """The generated text, piece by piece as the steps accept tokens; the stream's
+        `result` holds the whole GenerationResult once it is exhausted."""
         if _is_batch(prompt):
             raise JaxspecError("stream takes one prompt; use generate for a batch")
         ids = self.encode(prompt)
-        decoder = self._decoder(Sampling(temperature, top_k, top_p))
-        text = TextStream(self.model.tokenizer) if self.model.tokenizer is not None else None
+        decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
+        return Stream(self, decoder, ids, max_new_tokens, _check_seed(seed))
+
+
+class Stream:
+    """Iterates over text pieces while a background thread decodes; `result` is the
+    GenerationResult (None until the last piece)."""
+
+    def __init__(self, owner: Generator, decoder, ids: list[int], max_new_tokens: int, seed: int):
+        self._owner, self._decoder, self._args = owner, decoder, (ids, max_new_tokens, seed)
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokenizer = self._owner.model.tokenizer
+        text = TextStream(tokenizer) if tokenizer is not None else None
         pieces: queue.Queue = queue.Queue()
-        done = object()
 
         def run():
             try:
-                decoder.generate(ids, max_new_tokens, _check_seed(seed), pieces.put)
-                pieces.put(done)
+                pieces.put(self._decoder.generate(*self._args, pieces.put))
             except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
                 pieces.put(e)
 
         threading.Thread(target=run, daemon=True).start()
-        while (item := pieces.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
+        while isinstance(item := pieces.get(), list):  # token ids as they are accepted
             piece = text.push(item) if text is not None else ""
             if piece:
                 yield piece
-
-
-def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None):
-    """(settings, weights) of a drafter folder (None: the one shipped for the model),
-    checked against the model."""
-    from jaxspec.drafters.store import load_drafter as load
-
-    check_method(method)
-    if method == "ar":
-        raise JaxspecError("method 'ar' has no drafter")
-    return load(Path(path) if path else DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+        if isinstance(item, BaseException):
+            raise item
+        self.result = dataclasses.replace(item, text=self._owner._decode_text(item.token_ids))
 
 
 def _is_batch(prompts) -> bool:
