@@ -75,7 +75,7 @@ def parse_args(argv=None):
         "--dtype",
         choices=DTYPES,
         help="weight dtype (default: as stored, float32); bfloat16 decodes faster on CPUs with "
-        "AMX and GPUs, and is a slightly different model (README, Precision)",
+        "AMX and GPUs, and is a slightly different model (docs/design.md, Precision)",
     )
     p.add_argument(
         "--max-len", type=positive_int, help="cache length limit (default: the model's context)"

@@ -35,7 +35,7 @@ def default_model_dir() -> Path:
 
 def default_dtype():
     """Weights in float32 on CPU (its fastest AR step), bfloat16 on accelerators; products
-    are float32-accurate either way (`layers.dense`; README, Precision)."""
+    are float32-accurate either way (`layers.dense`; docs/design.md, Precision)."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 

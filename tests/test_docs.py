@@ -1,4 +1,5 @@
-"""BENCHMARKS.md stays a readable summary; its raw results live in benchmarks/ (issue 28).
+"""The docs stay readable: BENCHMARKS.md a summary with its raw results in benchmarks/,
+the README short, and every linked file present (issue 28).
 
 Fast and jax-free: it only reads files.
 """
@@ -59,3 +60,13 @@ def test_json_results_parse():
             json.loads(path.read_text(encoding="utf-8"))
         except ValueError as e:
             raise AssertionError(f"{path.name} is not valid JSON: {e}") from e
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """The README is a newcomer's five minutes; every file it or docs/ links exists."""
+    readme = ROOT / "README.md"
+    assert len(readme.read_text(encoding="utf-8").splitlines()) <= 200
+    for doc in [readme, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s#]+)\)", doc.read_text(encoding="utf-8")):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), f"{doc.name} links a missing {target}"
