@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from infer.bench import main as bench_main
-from jaxspec.bench import match_reference
 from infer.generate import main as generate_main
+from jaxspec.bench import match_reference
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
