@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from jaxspec import METHODS
-from jaxspec.bench import PEERS, check_rows, markdown, parse_row, run_benchmark, write_results
+from jaxspec.bench import PEERS, check_rows, markdown, run_benchmark, write_results
 from jaxspec.cli import (
     ArgumentParser,
     nonnegative_int,
@@ -21,6 +21,7 @@ from jaxspec.cli import (
     seed,
     temperature,
 )
+from jaxspec.drafters.registry import REGISTRY, parse_row
 from jaxspec.errors import JaxspecError
 from jaxspec.models import DTYPES
 from jaxspec.outputs import check_output_file
@@ -77,7 +78,7 @@ def parse_args(argv=None):
         "--top-k", type=nonnegative_int, default=0, help="sample among the k likeliest (0: all)"
     )
     p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--ppd-k", type=positive_int, default=3, help="ppd rows: sub-processes")
+    p.add_argument("--ppd-k", type=positive_int, help="ppd rows: sub-processes (default 3)")
     p.add_argument(
         "--dtype",
         choices=DTYPES,
@@ -119,7 +120,7 @@ def parse_drafters(items: list[str], methods: list[str]) -> dict[str, Path]:
         method, eq, folder = item.partition("=")
         if not eq or not folder:
             raise JaxspecError(f"--drafter {item}: write METHOD=DIR, e.g. chimera=drafters/mine")
-        if method not in METHODS or method == "ar":
+        if method not in REGISTRY or not REGISTRY[method].drafter_folder:
             raise JaxspecError(f"--drafter {item}: {method!r} is not a method with a drafter")
         if method not in {parse_row(m)[0] for m in methods if m not in PEERS}:
             raise JaxspecError(f"--drafter {item}: no {method} row in --methods")

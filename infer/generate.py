@@ -19,7 +19,7 @@ from jaxspec.cli import (
     temperature,
 )
 from jaxspec.errors import JaxspecError
-from jaxspec.methods import SDSAT_LOOPS, check_method, provide_devices
+from jaxspec.methods import SDSAT_LOOPS, provide_devices_for
 from jaxspec.models import DTYPES, load_model
 
 
@@ -54,7 +54,7 @@ def parse_args(argv=None):
         help="Medusa's typical acceptance (faster, NOT lossless: changes the output distribution)",
     )
     p.add_argument(
-        "--ppd-k", type=positive_int, default=3, help="ppd: sub-processes (needs k+1 devices)"
+        "--ppd-k", type=positive_int, help="ppd: sub-processes (needs k+1 devices; default 3)"
     )
     p.add_argument(
         "--ppd-layer", type=positive_int, help="ppd: early-prediction layer (>= half the depth)"
@@ -91,9 +91,7 @@ def main(argv=None) -> None:
 
 def _main(argv) -> None:
     args = parse_args(argv)
-    check_options(args)
-    if args.method == "ppd":
-        provide_devices(args.ppd_k + 1)
+    provide_devices_for([args.method], args.ppd_k)
     prompts = [read_prompt(p) for p in args.prompts]
     generator = Generator(
         load_model(args.model, args.dtype), args.method, drafter=args.drafter, tree=args.tree,
@@ -136,21 +134,6 @@ def read_prompt(arg: str) -> str:
     except UnicodeEncodeError:
         raise JaxspecError("a prompt is not UTF-8 text; pass UTF-8 (or '-' and stdin)") from None
     return arg
-
-
-def check_options(args) -> None:
-    """Options that the chosen method would silently ignore are errors."""
-    check_method(args.method)
-    if args.tree is not None and args.method in ("ar", "ppd"):
-        raise JaxspecError(f"--tree picks a draft tree; --method {args.method} has none")
-    if args.drafter is not None and args.method == "ar":
-        raise JaxspecError("--drafter applies to speculative methods; --method ar has none")
-    if args.firp_chains is not None and args.method != "firp":
-        raise JaxspecError("--firp-chains applies to --method firp only")
-    if args.sdsat_loop is not None and args.method != "sdsat":
-        raise JaxspecError("--sdsat-loop applies to --method sdsat only")
-    if args.ppd_layer is not None and args.method != "ppd":
-        raise JaxspecError("--ppd-layer applies to --method ppd only")
 
 
 def summarize(method: str, result) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-METHODS = ("ar", "medusa", "firp", "chimera", "sdsat", "ppd")
+from jaxspec.drafters.registry import METHODS
 
 # public name -> module that defines it
 _EXPORTS = {

@@ -17,9 +17,10 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+from jaxspec.drafters import registry
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import GenerationResult
-from jaxspec.methods import build_generator, check_method
+from jaxspec.methods import DRAFTERS_DIR, build_generator
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling
 from jaxspec.text import TextStream, encode_prompt
@@ -44,12 +45,12 @@ class Generator:
         tree: str | None = None,
         max_len: int | None = None,
         chat: bool = True,
-        ppd_k: int = 3,
+        ppd_k: int | None = None,
         ppd_layer: int | None = None,
         firp_chains: int | None = None,
         sdsat_loop: str | None = None,
     ):
-        check_method(method)
+        registry.method(method)
         self.model, self.method, self.chat = model, method, chat
         self._options = dict(
             drafter_dir=Path(drafter) if drafter is not None else None, tree=tree,
@@ -175,3 +176,13 @@ def _check_seed(seed: int) -> int:
     if not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise JaxspecError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
     return seed
+
+
+def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None):
+    """(settings, weights) of a drafter folder (None: the one shipped for the model),
+    checked against the model."""
+    from jaxspec.drafters.store import load_drafter as load
+
+    if not registry.method(method).drafter_folder:
+        raise JaxspecError(f"method {method!r} has no drafter")
+    return load(Path(path) if path else DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)

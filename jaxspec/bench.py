@@ -2,7 +2,7 @@
 
 Methods run interleaved question by question, so slow drifts of the machine hit all of
 them alike. Compilation and a warm-up generation per method are excluded from timing.
-A row is METHOD[@OPTION][/EXTRA][:DTYPE] (`parse_row`); "hf" is the transformers peer.
+A row is METHOD[@X][/Y][:DTYPE] (`registry.parse_row`); "hf" is the transformers peer.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import jax
 from tqdm import tqdm
 
 from jaxspec.data.sources import load_questions, select_questions
+from jaxspec.drafters.registry import REGISTRY, parse_row
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
-from jaxspec.methods import SDSAT_LOOPS, build_generator, check_method, provide_devices
+from jaxspec.methods import build_generator, provide_devices_for
 from jaxspec.models import DTYPES, load_model
 from jaxspec.outputs import atomic_path, write_text
 from jaxspec.sampling import Sampling
@@ -34,8 +35,7 @@ def check_rows(rows: list[str]) -> list[str]:
     """The rows to run, "ar" first, each checked (one-line errors for bad names)."""
     for m in rows:
         if m not in PEERS:
-            method, _, _, dtype = parse_row(m)
-            check_method(method)
+            _, _, dtype = parse_row(m)
             if dtype and dtype not in DTYPES:
                 raise JaxspecError(f"{m}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return ["ar"] + [m for m in dict.fromkeys(rows) if m != "ar"]
@@ -53,7 +53,7 @@ def run_benchmark(
     single_turn: bool = False,
     sampling: Sampling | None = None,
     seed: int = 0,
-    ppd_k: int = 3,
+    ppd_k: int | None = None,
     dtype: str = "float32",
     command: str = "",
 ) -> dict:
@@ -63,8 +63,7 @@ def run_benchmark(
     methods = check_rows(rows)
     drafters = drafters or {}
     sampling = sampling or Sampling()
-    if any(m.startswith("ppd") for m in methods):
-        provide_devices(ppd_k + 1)
+    provide_devices_for([parse_row(m)[0] for m in methods if m not in PEERS], ppd_k)
     chosen = select_questions(load_questions(questions), limit, per_category)
     if not chosen:
         raise JaxspecError("no questions selected; check --questions / --limit")
@@ -135,32 +134,12 @@ def write_results(result: dict, paths: tuple[Path, Path, Path]) -> None:
     plot(result, out_png)
 
 
-def parse_row(name: str) -> tuple[str, str, str | None, str]:
-    """METHOD[@OPTION][/EXTRA][:DTYPE] -> (method, option, EXTRA or None, dtype); EXTRA is
-    FIRP's chained nodes N or SDSAT's loop (one-forward / two-forward)."""
-    spec, _, dtype = name.partition(":")
-    spec, slash, extra = spec.partition("/")
-    method, _, option = spec.partition("@")
-    if method == "ar" and option:
-        raise JaxspecError(f"{name}: ar decodes without a draft tree; drop @{option}")
-    if method == "ppd" and option and not option.isdigit():
-        raise JaxspecError(f"{name}: a ppd row's @LAYER is a layer number, e.g. ppd@20")
-    if slash and method == "sdsat" and extra not in SDSAT_LOOPS:
-        raise JaxspecError(f"{name}: an sdsat row's /LOOP is one of {', '.join(SDSAT_LOOPS)}")
-    if slash and method != "sdsat" and (method != "firp" or not extra.isdigit()):
-        raise JaxspecError(
-            f"{name}: /N (FIRP's pseudo chains on N nodes, N >= 0) applies to firp rows only"
-        )
-    return method, option, extra if slash else None, dtype
-
-
 class Runner:
-    """One method (optionally METHOD@TREE, firp@TREE/N with chains on N nodes,
-    sdsat[@TREE]/LOOP, or ppd@LAYER, then :DTYPE):
+    """One row (METHOD[@X][/Y][:DTYPE], `registry.parse_row`, or a peer):
     generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
 
     def __init__(
-        self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=3,
+        self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=None,
         drafters: dict[str, Path] | None = None,
     ):  # fmt: skip
         self.name, self.seed = name, seed
@@ -169,19 +148,13 @@ class Runner:
 
             self.peer = HFPeer(model.cfg, model.params)
         else:
-            method, option, extra, _ = parse_row(name)
+            method, options, _ = parse_row(name)
+            if "ppd_k" in REGISTRY[method].options:
+                options["ppd_k"] = ppd_k
             drafter_dir = (drafters or {}).get(method)  # None: the shipped drafter
-            if method == "ppd":  # ppd@LAYER picks the early-prediction layer
-                self.generator = build_generator(
-                    model, method, drafter_dir, sampling=sampling, ppd_k=ppd_k,
-                    ppd_layer=int(option) if option else None,
-                )  # fmt: skip
-            else:
-                self.generator = build_generator(
-                    model, method, drafter_dir, option or None, sampling,
-                    firp_chains=int(extra) if extra and method == "firp" else None,
-                    sdsat_loop=extra if method == "sdsat" else None,
-                )  # fmt: skip
+            self.generator = build_generator(
+                model, method, drafter_dir, sampling=sampling, **options
+            )
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":

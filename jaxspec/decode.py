@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import LlamaConfig
+from jaxspec.drafters.base import Drafter, DraftInputs, Entered, NoDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
-from jaxspec.llama import embed, final_norm, lm_logits, run_layers, vocab_projection
+from jaxspec.llama import embed, final_norm, lm_logits, vocab_projection
 from jaxspec.sampling import Sampling, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
@@ -37,122 +38,6 @@ from jaxspec.verify import (
 # XLA:CPU a [rows, D] x [D, V] product costs about the same from 2 to ~16 rows and ~1.6x
 # that at 32, so one read of the [V, D] matrix beats two up to here.
 FUSED_ROWS = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class Entered:
-    """The tokens that entered the model's cache this round (prefill: the prompt; a verify
-    step: the root and the accepted drafts): tokens [B,M] at positions start + 0..M-1,
-    the first `count` [B] valid, and their states {layer count: [B,M,D]}."""
-
-    tokens: jax.Array
-    start: jax.Array
-    count: jax.Array
-    hidden: dict[int, jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftInputs:
-    """What a drafter sees after the model ran (prefill or a verify step), per row:
-
-    hidden: layer count -> [B,D] state (after that many layers) at the node whose
-    prediction is `current`; current [B]: the newest token (next step's root), not yet in
-    the cache; position [B]: its position; emitted [B,E] / n_emitted [B]: tokens this
-    step produced (E = max depth + 1; the last valid one is `current`); drafted: what the
-    drafter's own `run_model` computed for that node (FIRP: pseudo states), else None;
-    entered: what joined the cache this round; state: the drafter's own (see Drafter);
-    draft_logits [B,R,V]: the vocabulary projection of the drafter's `projected_rows` at
-    that node, when the step computed it together with the verify logits.
-    """
-
-    hidden: dict[int, jax.Array]
-    current: jax.Array
-    position: jax.Array
-    emitted: jax.Array
-    n_emitted: jax.Array
-    drafted: jax.Array | None = None
-    entered: Entered | None = None
-    state: object = None
-    draft_logits: jax.Array | None = None
-
-
-class Drafter:
-    """Base drafter. Subclasses are frozen dataclasses (hashable: they are static in jit).
-
-    `collect`: the layer counts whose hidden states `propose` needs.
-    `check_tree(tree)`: raise JaxspecError if the drafter cannot fill this tree.
-    `run_model(...)`: the model's forward; drafters that draft inside it (FIRP) override it.
-    `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
-    the token for every non-root tree node.
-    Drafters with their own memory across steps (Chimera's encoder cache) override
-    `init_state` and `advance`: the state is created once per generation (it may start from
-    the drafter params, e.g. a pre-filled table), updated from `inputs.entered` before every
-    `propose` (which reads it as `inputs.state`), and donated between steps so its buffers
-    are updated in place.
-    Drafters that need a forward of their own over the committed cache (SDSAT's adaptive
-    tokens) set `drafts_from_cache`: their `draft_from_cache` runs as a separate program
-    after each commit and its candidates replace `propose`'s.
-    """
-
-    collect: tuple[int, ...] = ()
-    drafts_from_cache: bool = False
-
-    def check_tree(self, tree: TreeSpec) -> None:
-        pass
-
-    def run_model(
-        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
-    ):
-        """h [B,T,D] embedded new tokens -> (last-layer states [B,T,D], KVBlock of the T
-        tokens, collected states, per-anchor drafts [B,A,...] or None). anchors [B,A]: the
-        new tokens whose drafts may be needed (the last prompt token; every tree node);
-        depth: how many draft depths the tree uses."""
-        h, block, states = run_layers(params, cfg, h, positions, cache, new_mask, collect=collect)
-        return h, block, states, None
-
-    def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
-        raise NotImplementedError
-
-    def draft_from_cache(self, params, drafter_params, cache: KVCache, current, tree: TreeSpec):
-        """cache: committed up to `current` [B] (the next root, not in it) -> candidates
-        [B,T-1]. Used when `drafts_from_cache`; must not depend on random draws (the lossless
-        sampler needs drafts fixed before its randomness)."""
-        raise NotImplementedError
-
-    def projected_rows(self, params, drafter_params, h, drafted, depth: int):
-        """h [B,T,D] last-layer states of every tree node, drafted: run_model's drafts ->
-        [B,T,R,D] vectors whose vocabulary projection `propose` will need at the accepted
-        node (the step projects them with the verify rows: the [V,D] matrix is read once
-        instead of twice), or None."""
-        return None
-
-    def prepare(self, params, drafter_params, settings: dict):
-        """-> the drafter params used for generation, from the loaded ones and the
-        drafter's settings (e.g. tables derived from the base model's weights)."""
-        return drafter_params
-
-    def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, drafter_params=None):
-        return None
-
-    def advance(self, params, drafter_params, inputs: DraftInputs):
-        """-> the drafter's state after `inputs.entered` joined the context."""
-        return inputs.state
-
-
-def tree_candidates(logits: jax.Array, tree: TreeSpec) -> jax.Array:
-    """Per-depth guesses logits [B,K,V] (K >= max depth) -> candidates [B,T-1]: the node at
-    depth d and rank r gets the rank-r token of depth d's guess."""
-    top = jax.lax.top_k(logits, tree.width)[1]  # [B,K,width]
-    depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
-    return top[:, depth, rank].astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True)
-class NoDrafter(Drafter):
-    """Proposes nothing: with the empty tree, plain autoregressive decoding."""
-
-    def propose(self, params, drafter_params, tree, inputs, key):
-        return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)
 
 
 def _collected_layers(drafter: Drafter, cfg: LlamaConfig) -> tuple[int, ...]:

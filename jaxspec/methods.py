@@ -1,28 +1,24 @@
-"""The methods: building a generator for any of them with its shipped (or a given) drafter,
-its default tree and its options."""
+"""Building a generator for any method (`drafters.registry` names them): its shipped (or
+a given) drafter, its default tree, its own options."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import jax
-
-from jaxspec import METHODS
 from jaxspec.config import LlamaConfig
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.drafters.base import default_tree, resolve_tree
+from jaxspec.drafters.registry import METHODS, SDSAT_LOOPS, check_options, method
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling
-from jaxspec.tree import TreeSpec, tree_preset
+
+__all__ = ["METHODS", "SDSAT_LOOPS", "build_generator", "default_tree", "resolve_tree"]
 
 DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
-CPU_TREE = "chain-1"
-# SDSAT's loops: the paper's draft step then verify step (the default), or adaptive chains
-# in the verify step (jaxspec.drafters.sdsat), whose default tree is chain-1 (the faster of
-# chain-1/2 on CPU; not measured on GPU).
-SDSAT_LOOPS = ("two-forward", "one-forward")
+PPD_K = 3
 
 
 def provide_devices(n: int) -> None:
@@ -34,77 +30,21 @@ def provide_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def check_method(method: str) -> None:
-    if method not in METHODS:
-        raise JaxspecError(
-            f"unknown or not yet available method {method!r}; available: {', '.join(METHODS)}"
-        )
+def provide_devices_for(names, ppd_k: int | None = None) -> None:
+    """Virtual CPU devices for the methods among `names` that pipeline over ppd_k + 1
+    devices (those taking the ppd_k option)."""
+    if any("ppd_k" in method(name).options for name in names):
+        provide_devices((ppd_k or PPD_K) + 1)
 
 
-def default_tree(settings: dict) -> str:
-    """On CPU the tree measured fastest for the drafter (its `cpu_tree` setting, from a
-    BENCHMARKS.md sweep; else a 1-deep chain: larger trees cost more than their extra
-    accepted tokens gain there); on accelerators its `gpu_tree`, else its own 64-node
-    searched tree when it ships one."""
-    if jax.default_backend() == "cpu":
-        return settings.get("cpu_tree", CPU_TREE)
-    if "gpu_tree" in settings:
-        return settings["gpu_tree"]
-    return "searched-64" if "searched-64" in settings.get("trees", {}) else "gpu-63"
+def check_method(name: str) -> None:
+    method(name)
 
 
-def resolve_tree(name: str, settings: dict) -> TreeSpec:
-    """A tree the drafter ships (its settings["trees"]) or a preset."""
-    own = settings.get("trees", {})
-    if name in own:
-        return TreeSpec.from_paths(own[name])
-    try:
-        return tree_preset(name)
-    except JaxspecError as e:
-        if not own:
-            raise
-        raise JaxspecError(f"{e}; this drafter's own: {', '.join(own)}") from None
-
-
-def make_drafter(method: str, cfg: LlamaConfig, settings: dict, sdsat_loop: str | None = None):
-    if method == "medusa":
-        from jaxspec.drafters.medusa import MedusaDrafter
-
-        return MedusaDrafter(cfg, settings["n_heads"], settings.get("own_lm_head", False))
-    if method == "sdsat":
-        from jaxspec.drafters.sdsat import SdsatDrafter
-
-        one_forward = sdsat_loop == "one-forward"
-        return SdsatDrafter(cfg, settings["rank"], settings.get("n_ids", 1), one_forward)
-    if method == "chimera":
-        from jaxspec.drafters.chimera import ChimeraDrafter
-
-        return ChimeraDrafter(
-            cfg,
-            settings["n_heads"],
-            settings.get("ngram", 3),
-            settings.get("residual", True),
-            settings.get("cache_size", 0),
-            settings.get("full_heads", False),
-            settings.get("bottom", "ngram"),
-        )
-    from jaxspec.drafters.firp import FirpDrafter
-
-    return FirpDrafter(cfg, tuple(settings["layers"]))
-
-
-def place_firp_chains(drafter, tree: TreeSpec, settings: dict, n_chains: int | None):
-    """FIRP with pseudo chains on the n_chains nodes of `tree` likeliest to end a step (None:
-    the drafter's `chains` setting; 0 or absent: every node)."""
-    n_chains = settings.get("chains", 0) if n_chains is None else n_chains
-    if n_chains < 0:
-        raise JaxspecError(f"--firp-chains must be >= 0 (0 = every node), got {n_chains}")
-    if 0 < n_chains < tree.n_nodes and "test_topk_accuracy" not in settings:
-        raise JaxspecError(
-            "this FIRP drafter has no measured accuracies to place chains with; "
-            "retrain it or use --firp-chains 0 (every node)"
-        )
-    return drafter.with_chains(tree, settings.get("test_topk_accuracy"), n_chains)
+def make_drafter(name: str, cfg: LlamaConfig, settings: dict, sdsat_loop: str | None = None):
+    """The method's drafter as its folder's settings describe it."""
+    options = {"sdsat_loop": sdsat_loop} if sdsat_loop is not None else {}
+    return method(name).drafter_class().from_settings(cfg, settings, **options)
 
 
 def check_ppd_heads(params: dict, dim: int, folder: Path) -> None:
@@ -124,50 +64,39 @@ def check_ppd_heads(params: dict, dim: int, folder: Path) -> None:
         )
 
 
-def build_ppd(model: LoadedModel, drafter_dir: Path | None, sampling, max_len, k, layer):
-    """PPD with the shipped early-prediction head for `layer` when there is one (else the
-    untrained early exit); layer None: the shipped default, else ceil(d/2)."""
+def build_ar(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, options):
+    return SpeculativeGenerator(model.cfg, model.params, sampling=sampling, max_len=max_len)
+
+
+def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, options):
+    """PPD with the shipped early-prediction head for `ppd_layer` when there is one (else
+    the untrained early exit); ppd_layer None: the shipped default, else ceil(d/2)."""
     from jaxspec.drafters.store import load_drafter
     from jaxspec.ppd import PpdGenerator, head_name
 
     if sampling is not None and not sampling.greedy:
         raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
-    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / "ppd"
+    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
     settings, heads = {}, {}
     if drafter_dir.is_dir():
-        settings, params = load_drafter(drafter_dir, "ppd", model.cfg)
+        settings, params = load_drafter(drafter_dir, m.name, model.cfg)
         check_ppd_heads(params, model.cfg.dim, drafter_dir)
         heads = compute_params(params["heads"], model.weight_dtype)
-    layer = layer or settings.get("default_layer") or (model.cfg.n_layers + 1) // 2
-    head = heads.get(head_name(layer))
-    return PpdGenerator(model.cfg, model.params, k, layer, head, max_len)
+    k = options.get("ppd_k") or PPD_K
+    layer = options.get("ppd_layer") or settings.get("default_layer")
+    layer = layer or (model.cfg.n_layers + 1) // 2
+    return PpdGenerator(model.cfg, model.params, k, layer, heads.get(head_name(layer)), max_len)
 
 
-def build_generator(
-    model: LoadedModel,
-    method: str,
-    drafter_dir: Path | None = None,
-    tree: str | None = None,
-    sampling: Sampling | None = None,
-    max_len: int | None = None,
-    ppd_k: int = 3,
-    ppd_layer: int | None = None,
-    firp_chains: int | None = None,
-    sdsat_loop: str | None = None,
-) -> SpeculativeGenerator:
-    check_method(method)
-    if sampling is not None:
-        sampling.check_vocabulary(model.cfg.vocab_size)
-    if method == "ppd":
-        return build_ppd(model, drafter_dir, sampling, max_len, ppd_k, ppd_layer)
-    if method == "ar":
-        return SpeculativeGenerator(model.cfg, model.params, sampling=sampling, max_len=max_len)
+def build_speculative(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, options):
+    """A drafter method: its folder (shipped or given) loaded and checked against the
+    model, its tree chosen, the drafter specialised for that tree."""
     from jaxspec.drafters.store import check_weights, load_drafter
 
-    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / method
-    settings, drafter_params = load_drafter(drafter_dir, method, model.cfg)
+    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
+    settings, drafter_params = load_drafter(drafter_dir, m.name, model.cfg)
     try:
-        drafter = make_drafter(method, model.cfg, settings, sdsat_loop)
+        drafter = m.drafter_class().from_settings(model.cfg, settings, **options)
     except (KeyError, TypeError, ValueError) as e:
         raise JaxspecError(
             f"the settings in {drafter_dir / 'drafter.json'} are incomplete or invalid "
@@ -176,16 +105,29 @@ def build_generator(
     check_weights(drafter, model.params, drafter_params, drafter_dir)
     drafter_params = compute_params(drafter_params, model.weight_dtype)
     drafter_params = drafter.prepare(model.params, drafter_params, settings)
-    if method == "sdsat" and drafter.one_forward:  # the other trees are the two-step loop's
-        if tree in settings.get("trees", {}):
-            raise JaxspecError(
-                f"tree {tree!r} was searched for sdsat's two-step loop (its depth 1 is the "
-                "model's own token); with the one-forward loop pick a preset: chain-N, comb-D-W"
-            )
-        tree, settings = tree or CPU_TREE, {}
-    spec = resolve_tree(tree or default_tree(settings), settings)
-    if method == "firp":
-        drafter = place_firp_chains(drafter, spec, settings, firp_chains)
+    spec = drafter.select_tree(tree, settings)
+    drafter = drafter.for_tree(spec, settings, **options)
     return SpeculativeGenerator(
         model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len
     )
+
+
+def build_generator(
+    model: LoadedModel,
+    name: str,
+    drafter_dir: Path | None = None,
+    tree: str | None = None,
+    sampling: Sampling | None = None,
+    max_len: int | None = None,
+    **options,
+):
+    """The generator of method `name`: drafter_dir None is the shipped drafter, tree None
+    the drafter's default; options are the method's own (`registry.Method.options`:
+    ppd_k, ppd_layer, firp_chains, sdsat_loop), None meaning its default."""
+    m = method(name)
+    check_options(m, tree, drafter_dir, **options)
+    if sampling is not None:
+        sampling.check_vocabulary(model.cfg.vocab_size)
+    options = {k: v for k, v in options.items() if v is not None}
+    drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
+    return m.load(m.builder)(model, m, drafter_dir, tree, sampling, max_len, options)

@@ -30,18 +30,6 @@ class LoadedModel:
         return jax.tree.leaves(self.params)[0].dtype
 
 
-def fastest_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The weight dtype that decodes fastest here (BENCHMARKS.md): bfloat16 on accelerators
-    and on CPUs with AMX-BF16, float32 on other CPUs."""
-    if jax.default_backend() != "cpu":
-        return "bfloat16"
-    try:
-        words = cpuinfo.read_text().split()
-    except OSError:
-        return "float32"
-    return "bfloat16" if "amx_bf16" in words else "float32"
-
-
 def load_model(src: str | Path | None = None, dtype: str | None = None) -> LoadedModel:
     """src: a jaxspec checkpoint folder, an HF folder (safetensors), a .gguf file, or None
     for the default model (converted into $JAXSPEC_HOME on first use). dtype: "float32" or

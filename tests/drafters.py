@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decode import Drafter
+from jaxspec.drafters.base import Drafter
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,7 +154,7 @@ CASES = [
         "bench-ppd-layer-not-number",
         "bench",
         bench("--methods", "ppd@x"),
-        "a layer number",
+        "@LAYER (the early-prediction layer, a number) expected",
         questions({"question_id": 1, "turns": ["w5"]}),
     ),
     Case("per-category-zero", "bench", bench("--per-category", "0"), "--per-category"),

@@ -191,7 +191,7 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     import json
 
     from jaxspec.drafters.store import load_drafter
-    from jaxspec.methods import make_drafter, place_firp_chains
+    from jaxspec.methods import make_drafter
     from jaxspec.models import load_model
 
     out, first, second, ckpt = trained_firp
@@ -212,7 +212,7 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     # Its measured accuracies place chains on the likeliest nodes of its own trees.
     assert settings["test_topk_accuracy"] == second["test_topk_accuracy"]
     tree = TreeSpec.from_paths(settings["trees"]["searched-8"])
-    sparse = place_firp_chains(drafter, tree, settings, 3)
+    sparse = drafter.for_tree(tree, settings, firp_chains=3)
     assert len(sparse.chain_nodes) == 3
     spec = SpeculativeGenerator(model.cfg, model.params, sparse, dparams, tree)
     assert spec.generate(prompt, 24).token_ids == ar
@@ -262,14 +262,12 @@ def test_projecting_drafts_with_the_verify_rows_changes_nothing(tree_name):
 
 
 def test_chain_placement_options():
-    from jaxspec.methods import place_firp_chains
-
     drafter, tree = FirpDrafter(tiny()[0], (1, 2)), tree_preset("cpu-8")
-    assert place_firp_chains(drafter, tree, {}, None) is drafter  # default: every node
+    assert drafter.for_tree(tree, {}, firp_chains=None) is drafter  # default: every node
     with pytest.raises(JaxspecError, match="no measured accuracies"):
-        place_firp_chains(drafter, tree, {}, 3)
+        drafter.for_tree(tree, {}, firp_chains=3)
     with pytest.raises(JaxspecError, match="must be >= 0"):
-        place_firp_chains(drafter, tree, {}, -1)
+        drafter.for_tree(tree, {}, firp_chains=-1)
     settings = {"chains": 3, "test_topk_accuracy": ACCURACY}
-    assert len(place_firp_chains(drafter, tree, settings, None).chain_nodes) == 3
-    assert place_firp_chains(drafter, tree, settings, 0) is drafter
+    assert len(drafter.for_tree(tree, settings, firp_chains=None).chain_nodes) == 3
+    assert drafter.for_tree(tree, settings, firp_chains=0) is drafter

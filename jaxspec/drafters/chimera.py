@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import Drafter, DraftInputs
+from jaxspec.drafters.base import Drafter, DraftInputs
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, write_rows
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
@@ -143,6 +143,14 @@ class ChimeraDrafter(Drafter):
     @property
     def collect(self) -> tuple[int, ...]:
         return (self.cfg.n_layers,)
+
+    @classmethod
+    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> ChimeraDrafter:
+        return cls(
+            cfg, settings["n_heads"], settings.get("ngram", 3), settings.get("residual", True),
+            settings.get("cache_size", 0), settings.get("full_heads", False),
+            settings.get("bottom", "ngram"),
+        )  # fmt: skip
 
     def init(self, base_params, key=None) -> dict:
         D, n = self.cfg.dim, self.ngram

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxspec.chains import chain_mask, joint_mask, pseudo_positions
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import Drafter, tree_candidates
+from jaxspec.drafters.base import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.layers import dense
@@ -60,6 +60,23 @@ class FirpDrafter(Drafter):
             raise JaxspecError(
                 f"FIRP layers must lie in 1..{self.cfg.n_layers} for this model, got {layers}"
             )
+
+    @classmethod
+    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> FirpDrafter:
+        return cls(cfg, tuple(settings["layers"]))
+
+    def for_tree(self, tree: TreeSpec, settings: dict, firp_chains=None, **options):
+        """Pseudo chains on the `firp_chains` nodes of `tree` likeliest to end a step (None:
+        the drafter's `chains` setting; 0 or absent: every node)."""
+        n_chains = settings.get("chains", 0) if firp_chains is None else firp_chains
+        if n_chains < 0:
+            raise JaxspecError(f"--firp-chains must be >= 0 (0 = every node), got {n_chains}")
+        if 0 < n_chains < tree.n_nodes and "test_topk_accuracy" not in settings:
+            raise JaxspecError(
+                "this FIRP drafter has no measured accuracies to place chains with; "
+                "retrain it or use --firp-chains 0 (every node)"
+            )
+        return self.with_chains(tree, settings.get("test_topk_accuracy"), n_chains)
 
     @property
     def n_steps(self) -> int:

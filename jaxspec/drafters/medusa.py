@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import Drafter, tree_candidates
+from jaxspec.drafters.base import Drafter, tree_candidates
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import dense
 from jaxspec.llama import final_norm, vocab_projection
@@ -31,6 +31,10 @@ class MedusaDrafter(Drafter):
     @property
     def collect(self) -> tuple[int, ...]:
         return (self.cfg.n_layers,)
+
+    @classmethod
+    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> MedusaDrafter:
+        return cls(cfg, settings["n_heads"], settings.get("own_lm_head", False))
 
     def init(self, base_params, key=None) -> dict:
         D = self.cfg.dim

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxspec.chains import joint_mask, pseudo_positions
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import Drafter, tree_candidates
+from jaxspec.drafters.base import CPU_TREE, Drafter, resolve_tree, tree_candidates
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.layers import dense
@@ -105,6 +105,23 @@ class SdsatDrafter(Drafter):
             linears=self.linears(dparams, adaptive),
         )  # fmt: skip
         return lm_logits(params, self.cfg, h)
+
+    @classmethod
+    def from_settings(cls, cfg: LlamaConfig, settings: dict, sdsat_loop=None, **options):
+        one_forward = sdsat_loop == "one-forward"
+        return cls(cfg, settings["rank"], settings.get("n_ids", 1), one_forward)
+
+    def select_tree(self, name: str | None, settings: dict) -> TreeSpec:
+        """The one-forward loop takes presets only: the drafter's own trees were searched
+        for the two-step loop (their depth 1 is the model's own token)."""
+        if not self.one_forward:
+            return super().select_tree(name, settings)
+        if name in settings.get("trees", {}):
+            raise JaxspecError(
+                f"tree {name!r} was searched for sdsat's two-step loop (its depth 1 is the "
+                "model's own token); with the one-forward loop pick a preset: chain-N, comb-D-W"
+            )
+        return resolve_tree(name or CPU_TREE, {})
 
     def __post_init__(self):
         if self.rank < 0 or self.n_ids < 1:

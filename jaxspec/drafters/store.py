@@ -84,7 +84,13 @@ def read_meta(file: Path) -> dict:
 def check_weights(drafter, base_params, params, path: Path) -> None:
     """The stored tensors are exactly those `drafter.init` makes, in its shapes; else one
     error listing what is missing, unexpected or misshapen."""
-    want = _shapes(jax.eval_shape(drafter.init, base_params, jax.random.key(0)))
+    from jaxspec.checkpoint import flatten_params, unflatten_params
+
+    def init(params):  # from the model's weights in stored [in,out] layout, as training saw
+        n_layers = len(params["layers"])
+        return drafter.init(unflatten_params(flatten_params(params), n_layers), jax.random.key(0))
+
+    want = _shapes(jax.eval_shape(init, base_params))
     have = _shapes(params)
     problems = [f"missing {k}" for k in want if k not in have]
     problems += [f"unexpected {k}" for k in have if k not in want]

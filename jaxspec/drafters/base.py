@@ -1,0 +1,174 @@
+"""The drafter protocol: what a drafter sees after the model ran (`DraftInputs`), what it
+must provide (`Drafter`), and the empty drafter of plain AR decoding. Each method's drafter
+lives in its own module beside this one; `registry` names them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import LlamaConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import KVCache
+from jaxspec.llama import run_layers
+from jaxspec.tree import TreeSpec, tree_preset
+
+# On CPU a 1-deep chain: larger trees cost more than their extra accepted tokens gain there.
+CPU_TREE = "chain-1"
+
+
+def default_tree(settings: dict) -> str:
+    """On CPU the tree measured fastest for the drafter (its `cpu_tree` setting, else
+    CPU_TREE); on accelerators its `gpu_tree`, else its own 64-node searched tree when it
+    ships one, else the 63-node preset."""
+    if jax.default_backend() == "cpu":
+        return settings.get("cpu_tree", CPU_TREE)
+    if "gpu_tree" in settings:
+        return settings["gpu_tree"]
+    return "searched-64" if "searched-64" in settings.get("trees", {}) else "gpu-63"
+
+
+def resolve_tree(name: str, settings: dict) -> TreeSpec:
+    """A tree the drafter ships (its settings["trees"]) or a preset."""
+    own = settings.get("trees", {})
+    if name in own:
+        return TreeSpec.from_paths(own[name])
+    try:
+        return tree_preset(name)
+    except JaxspecError as e:
+        if not own:
+            raise
+        raise JaxspecError(f"{e}; this drafter's own: {', '.join(own)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Entered:
+    """The tokens that entered the model's cache this round (prefill: the prompt; a verify
+    step: the root and the accepted drafts): tokens [B,M] at positions start + 0..M-1,
+    the first `count` [B] valid, and their states {layer count: [B,M,D]}."""
+
+    tokens: jax.Array
+    start: jax.Array
+    count: jax.Array
+    hidden: dict[int, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftInputs:
+    """What a drafter sees after the model ran (prefill or a verify step), per row:
+
+    hidden: layer count -> [B,D] state (after that many layers) at the node whose
+    prediction is `current`; current [B]: the newest token (next step's root), not yet in
+    the cache; position [B]: its position; emitted [B,E] / n_emitted [B]: tokens this
+    step produced (E = max depth + 1; the last valid one is `current`); drafted: what the
+    drafter's own `run_model` computed for that node (FIRP: pseudo states), else None;
+    entered: what joined the cache this round; state: the drafter's own (see Drafter);
+    draft_logits [B,R,V]: the vocabulary projection of the drafter's `projected_rows` at
+    that node, when the step computed it together with the verify logits.
+    """
+
+    hidden: dict[int, jax.Array]
+    current: jax.Array
+    position: jax.Array
+    emitted: jax.Array
+    n_emitted: jax.Array
+    drafted: jax.Array | None = None
+    entered: Entered | None = None
+    state: object = None
+    draft_logits: jax.Array | None = None
+
+
+class Drafter:
+    """Base drafter. Subclasses are frozen dataclasses (hashable: they are static in jit).
+
+    `collect`: the layer counts whose hidden states `propose` needs.
+    `check_tree(tree)`: raise JaxspecError if the drafter cannot fill this tree.
+    `run_model(...)`: the model's forward; drafters that draft inside it (FIRP) override it.
+    `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
+    the token for every non-root tree node.
+    Drafters with their own memory across steps (Chimera's encoder cache) override
+    `init_state` and `advance`: the state is created once per generation (it may start from
+    the drafter params, e.g. a pre-filled table), updated from `inputs.entered` before every
+    `propose` (which reads it as `inputs.state`), and donated between steps so its buffers
+    are updated in place.
+    Drafters that need a forward of their own over the committed cache (SDSAT's adaptive
+    tokens) set `drafts_from_cache`: their `draft_from_cache` runs as a separate program
+    after each commit and its candidates replace `propose`'s.
+    """
+
+    collect: tuple[int, ...] = ()
+    drafts_from_cache: bool = False
+
+    @classmethod
+    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> Drafter:
+        """The drafter a folder's settings describe (its drafter.json), with the method's
+        options (`registry.Method.options`) given."""
+        raise NotImplementedError
+
+    def select_tree(self, name: str | None, settings: dict) -> TreeSpec:
+        """The tree to verify: `name` (a preset or one of the drafter's own trees), else
+        the drafter's default for this backend."""
+        return resolve_tree(name or default_tree(settings), settings)
+
+    def for_tree(self, tree: TreeSpec, settings: dict, **options) -> Drafter:
+        """This drafter specialised for `tree` (FIRP places its pseudo chains)."""
+        return self
+
+    def check_tree(self, tree: TreeSpec) -> None:
+        pass
+
+    def run_model(
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
+    ):
+        """h [B,T,D] embedded new tokens -> (last-layer states [B,T,D], KVBlock of the T
+        tokens, collected states, per-anchor drafts [B,A,...] or None). anchors [B,A]: the
+        new tokens whose drafts may be needed (the last prompt token; every tree node);
+        depth: how many draft depths the tree uses."""
+        h, block, states = run_layers(params, cfg, h, positions, cache, new_mask, collect=collect)
+        return h, block, states, None
+
+    def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
+        raise NotImplementedError
+
+    def draft_from_cache(self, params, drafter_params, cache: KVCache, current, tree: TreeSpec):
+        """cache: committed up to `current` [B] (the next root, not in it) -> candidates
+        [B,T-1]. Used when `drafts_from_cache`; must not depend on random draws (the lossless
+        sampler needs drafts fixed before its randomness)."""
+        raise NotImplementedError
+
+    def projected_rows(self, params, drafter_params, h, drafted, depth: int):
+        """h [B,T,D] last-layer states of every tree node, drafted: run_model's drafts ->
+        [B,T,R,D] vectors whose vocabulary projection `propose` will need at the accepted
+        node (the step projects them with the verify rows: the [V,D] matrix is read once
+        instead of twice), or None."""
+        return None
+
+    def prepare(self, params, drafter_params, settings: dict):
+        """-> the drafter params used for generation, from the loaded ones and the
+        drafter's settings (e.g. tables derived from the base model's weights)."""
+        return drafter_params
+
+    def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, drafter_params=None):
+        return None
+
+    def advance(self, params, drafter_params, inputs: DraftInputs):
+        """-> the drafter's state after `inputs.entered` joined the context."""
+        return inputs.state
+
+
+def tree_candidates(logits: jax.Array, tree: TreeSpec) -> jax.Array:
+    """Per-depth guesses logits [B,K,V] (K >= max depth) -> candidates [B,T-1]: the node at
+    depth d and rank r gets the rank-r token of depth d's guess."""
+    top = jax.lax.top_k(logits, tree.width)[1]  # [B,K,width]
+    depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
+    return top[:, depth, rank].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafter(Drafter):
+    """Proposes nothing: with the empty tree, plain autoregressive decoding."""
+
+    def propose(self, params, drafter_params, tree, inputs, key):
+        return jnp.zeros((inputs.current.shape[0], tree.n_nodes - 1), jnp.int32)

@@ -1,0 +1,121 @@
+"""The one table of methods: for each name, its drafter class, whether it drafts a tree,
+how its generator is built, and the options only it takes (as `Generator` keywords and as
+jaxspec-bench row syntax). Nothing outside this table branches on method names.
+
+Light on purpose (no jax import): `jaxspec.METHODS` comes from here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from jaxspec.errors import JaxspecError
+
+# SDSAT's loops: the paper's draft step then verify step (the default), or adaptive chains
+# in the verify step (jaxspec.drafters.sdsat).
+SDSAT_LOOPS = ("two-forward", "one-forward")
+
+
+def _count(text: str, at_least: int) -> int | None:
+    return int(text) if text.isdigit() and int(text) >= at_least else None
+
+
+# option -> (how a bench row writes it, its parser from row text: value or None if invalid)
+ROW_VALUES = {
+    "tree": ("@TREE (a tree preset or one the drafter ships)", lambda t: t or None),
+    "firp_chains": ("/N (FIRP's pseudo chains on N nodes, N >= 0)", lambda t: _count(t, 0)),
+    "sdsat_loop": (
+        f"/LOOP (one of {', '.join(SDSAT_LOOPS)})",
+        lambda t: t if t in SDSAT_LOOPS else None,
+    ),  # noqa: E501
+    "ppd_layer": ("@LAYER (the early-prediction layer, a number)", lambda t: _count(t, 1)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    builder: str  # "module:function" building its generator (jaxspec.methods)
+    drafter: str | None = None  # "module:Class" of its Drafter
+    drafter_folder: bool = False  # loads a drafter folder (shipped or --drafter)
+    tree: bool = False  # verifies a draft tree (--tree applies)
+    options: tuple[str, ...] = ()  # Generator keywords only this method takes
+    row_at: str | None = None  # what METHOD@X sets in a bench row
+    row_slash: str | None = None  # what METHOD/X sets
+
+    def load(self, target: str):
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def drafter_class(self):
+        return self.load(self.drafter)
+
+
+def _speculative(name: str, cls: str, options: tuple[str, ...] = (), slash: str | None = None):
+    return Method(name, "jaxspec.methods:build_speculative", f"jaxspec.drafters.{cls}", True,
+                  True, options, "tree", slash)  # fmt: skip
+
+
+REGISTRY = {
+    m.name: m
+    for m in (
+        Method("ar", "jaxspec.methods:build_ar"),
+        _speculative("medusa", "medusa:MedusaDrafter"),
+        _speculative("firp", "firp:FirpDrafter", ("firp_chains",), "firp_chains"),
+        _speculative("chimera", "chimera:ChimeraDrafter"),
+        _speculative("sdsat", "sdsat:SdsatDrafter", ("sdsat_loop",), "sdsat_loop"),
+        Method(
+            "ppd",
+            "jaxspec.methods:build_ppd",
+            drafter_folder=True,
+            options=("ppd_k", "ppd_layer"),
+            row_at="ppd_layer",
+        ),  # fmt: skip
+    )
+}
+METHODS = tuple(REGISTRY)
+
+
+def method(name: str) -> Method:
+    if name not in REGISTRY:
+        raise JaxspecError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+    return REGISTRY[name]
+
+
+def owners(option: str) -> str:
+    return ", ".join(m.name for m in REGISTRY.values() if option in m.options)
+
+
+def check_options(m: Method, tree=None, drafter=None, **options) -> None:
+    """Options that `m` would silently ignore are errors (None: not given)."""
+    if tree is not None and not m.tree:
+        raise JaxspecError(f"--tree picks a draft tree; --method {m.name} has none")
+    if drafter is not None and not m.drafter_folder:
+        raise JaxspecError(f"--drafter applies to speculative methods; --method {m.name} has none")
+    for option, value in options.items():
+        if value is not None and option not in m.options:
+            flag = "--" + option.replace("_", "-")
+            raise JaxspecError(f"{flag} applies to --method {owners(option)} only")
+
+
+def parse_row(row: str) -> tuple[str, dict, str]:
+    """A bench row METHOD[@X][/Y][:DTYPE] -> (method, its options, dtype or "")."""
+    spec, _, dtype = row.partition(":")
+    spec, slash, extra = spec.partition("/")
+    name, at, option = spec.partition("@")
+    m = method(name)
+    options = {}
+    if at and m.row_at is None:
+        raise JaxspecError(f"{row}: {name} decodes without a draft tree; drop @{option}")
+    if slash and m.row_slash is None:
+        takes = [(t.row_slash, t.name) for t in REGISTRY.values() if t.row_slash]
+        raise JaxspecError(
+            f"{row}: " + "; ".join(f"{ROW_VALUES[o][0]} applies to {n} rows only" for o, n in takes)
+        )
+    for given, text, target in ((at, option, m.row_at), (slash, extra, m.row_slash)):
+        if given:
+            value = ROW_VALUES[target][1](text)
+            if value is None:
+                raise JaxspecError(f"{row}: {ROW_VALUES[target][0]} expected, got {text!r}")
+            options[target] = value
+    return name, options, dtype
