@@ -34,7 +34,10 @@ class Generator:
     drafter: a drafter folder (None: the one shipped for the model); tree: a tree preset or
     one the drafter ships (None: the method's default for this backend); max_len: cache
     length limit (None: the model's context). ppd_k / ppd_layer, firp_chains and
-    sdsat_loop are those methods' options (see `jaxspec-generate --help`)."""
+    sdsat_loop are those methods' options (see `jaxspec-generate --help`). PPD pipelines
+    over ppd_k + 1 devices: on a CPU, ask for virtual ones before jax starts, e.g.
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 (`import jaxspec` does not start jax).
+    A PPD step is one token: its tokens per step are always 1."""
 
     def __init__(
         self,
@@ -108,8 +111,6 @@ class Generator:
         acceptance, NOT lossless (see `Sampling`)."""
         batch = _is_batch(prompts)
         ids = [self.encode(p) for p in (prompts if batch else [prompts])]
-        if not ids:
-            raise JaxspecError("no prompts: pass a prompt or a non-empty list of prompts")
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
         results = [
             dataclasses.replace(r, text=self._decode_text(r.token_ids))
@@ -138,14 +139,21 @@ class Generator:
 
 
 class Stream:
-    """Iterates over text pieces while a background thread decodes; `result` is the
+    """An iterator over text pieces while a background thread decodes; `result` is the
     GenerationResult (None until the last piece)."""
 
     def __init__(self, owner: Generator, decoder, ids: list[int], max_new_tokens: int, seed: int):
         self._owner, self._decoder, self._args = owner, decoder, (ids, max_new_tokens, seed)
         self.result: GenerationResult | None = None
+        self._pieces = self._run()
 
     def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def _run(self) -> Iterator[str]:
         tokenizer = self._owner.model.tokenizer
         text = TextStream(tokenizer) if tokenizer is not None else None
         pieces: queue.Queue = queue.Queue()
@@ -173,7 +181,7 @@ def _is_batch(prompts) -> bool:
 
 
 def _check_seed(seed: int) -> int:
-    if not isinstance(seed, int) or not 0 <= seed < 2**32:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise JaxspecError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
     return seed
 

@@ -1,0 +1,288 @@
+"""The public API (issue 28) on the tiny checkpoint: `import jaxspec` stays light and exports
+what it names; every method's `Generator`, with an untrained drafter, decodes exactly AR's
+tokens and the tokenizer's text; batches, token-id prompts, streaming, per-call sampling,
+`load_drafter` and `load_model` (checkpoint, HF folder, missing path) behave as documented,
+and careless inputs end in a JaxspecError."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.checkpoint import load_checkpoint
+from jaxspec.drafters.store import save_drafter
+from tests.conftest import save_tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "w5 w9 w7 w11"
+CHAT_IDS = [3, 5, 9, 7, 11, 2, 4]  # "user w5 w9 w7 w11 </s> assistant", by the chat template
+N = 12  # new tokens per call
+# A tree of the top 10 guesses at two depths: untrained drafters then get some guesses
+# right, so that accepting drafted tokens (not only rejecting them) is checked to be lossless.
+TREE = "comb-2-10"
+
+# Each method's settings for an untrained drafter on the tiny model (as tests/test_bad_inputs).
+SETTINGS = {
+    "medusa": {"n_heads": 2},
+    "firp": {"layers": [1, 2]},
+    "chimera": {"n_heads": 2},
+    "sdsat": {"rank": 2},
+}
+PUBLIC = ["load_model", "load_drafter", "Generator", "GenerationResult", "TreeSpec", "Sampling",
+          "JaxspecError", "METHODS"]  # fmt: skip
+
+
+def write_drafters(ckpt: Path, folder: Path) -> Path:
+    """folder/<method>: an untrained drafter for each drafted method (each method's `init`;
+    PPD: a random early-prediction head for layer 1) -> folder."""
+    from jaxspec.methods import make_drafter
+
+    cfg, params = load_checkpoint(ckpt)
+    for method, settings in SETTINGS.items():
+        weights = make_drafter(method, cfg, settings).init(params, jax.random.key(0))
+        save_drafter(folder / method, method, settings, weights, cfg, "untrained")
+    rng = np.random.default_rng(0)
+    head = {"w": 0.05 * rng.standard_normal((cfg.dim, cfg.dim)).astype(np.float32),
+            "b": np.zeros(cfg.dim, np.float32)}  # fmt: skip
+    save_drafter(folder / "ppd", "ppd", {"default_layer": 1}, {"heads": {"layer1": head}}, cfg,
+                 "untrained")  # fmt: skip
+    return folder
+
+
+def options(method: str, drafters: Path) -> dict:
+    """Generator keywords for `method` with its drafter from `drafters`."""
+    if method == "ar":
+        return {}
+    if method == "ppd":
+        return {"drafter": drafters / method, "ppd_layer": 1}
+    return {"drafter": drafters / method, "tree": TREE}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return jaxspec.load_model(tiny_ckpt[0], dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_ckpt, tmp_path_factory) -> Path:
+    return write_drafters(tiny_ckpt[0], tmp_path_factory.mktemp("drafters"))
+
+
+@pytest.fixture(scope="module")
+def generators(model, drafters) -> dict:
+    return {m: jaxspec.Generator(model, m, **options(m, drafters)) for m in jaxspec.METHODS}
+
+
+@pytest.fixture(scope="module")
+def reference(generators, tiny_ckpt):
+    """AR's greedy result for PROMPT, the tokens every method must reproduce: those of the
+    HF model the checkpoint was converted from (so not merely self-consistent)."""
+    import torch
+
+    out = generators["ar"].generate(PROMPT, max_new_tokens=N)
+    assert out.prompt_ids == CHAT_IDS  # the chat template applied, as the CLI does
+    assert out.new_tokens == N and out.steps == N  # no early EOS: a full-length comparison
+    with torch.no_grad():
+        hf = tiny_ckpt[1].generate(torch.tensor([CHAT_IDS]), max_new_tokens=N, do_sample=False,
+                                   pad_token_id=0)  # fmt: skip
+    assert out.token_ids == hf[0, len(CHAT_IDS) :].tolist()
+    return out
+
+
+def test_import_is_light_and_exports_the_api():
+    code = (
+        "import sys, jaxspec\n"
+        "assert 'jax' not in sys.modules, 'import jaxspec imported jax'\n"
+        "print(' '.join(jaxspec.__all__))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert set(PUBLIC) <= set(done.stdout.split())
+    for name in PUBLIC:
+        assert getattr(jaxspec, name) is not None
+    assert jaxspec.METHODS[0] == "ar" and {"medusa", "firp", "ppd"} <= set(jaxspec.METHODS)
+    assert issubclass(jaxspec.JaxspecError, Exception)
+    assert isinstance(jaxspec.Sampling(), jaxspec.Sampling)
+    with pytest.raises(AttributeError):
+        jaxspec.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("method", jaxspec.METHODS)
+def test_every_method_decodes_ar_tokens_and_their_text(method, generators, reference, model):
+    out = generators[method].generate(PROMPT, max_new_tokens=N)
+    assert isinstance(out, jaxspec.GenerationResult)
+    assert out.prompt_ids == CHAT_IDS
+    assert out.token_ids == reference.token_ids
+    assert out.text == model.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text.split()[0].startswith("w")  # words of the tiny vocabulary
+    assert out.mean_accepted == N / out.steps and out.tokens_per_s > 0
+    if method not in ("ar", "ppd"):  # (PPD's steps are single tokens, pipelined)
+        assert out.steps < N  # some drafted tokens were accepted
+
+
+def test_a_batch_gives_each_prompt_its_own_result(generators, model):
+    gen = generators["medusa"]
+    ids = model.tokenizer.encode("user w17 </s> assistant")  # a token-id prompt in the batch
+    prompts = [PROMPT, "w40 w41 w42 w43 w44 w45 w46 w47 w48 w49", ids]
+    outs = gen.generate(prompts, max_new_tokens=N)
+    assert isinstance(outs, list) and len(outs) == len(prompts)
+    for prompt, out in zip(prompts, outs, strict=True):
+        alone = gen.generate(prompt, max_new_tokens=N)
+        assert (out.prompt_ids, out.token_ids, out.text) == (
+            alone.prompt_ids, alone.token_ids, alone.text)  # fmt: skip
+    assert outs[2].prompt_ids == ids
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the rows are not one row repeated
+
+
+def test_token_ids_prompt_equals_its_text(model, reference, generators):
+    chat = generators["ar"]
+    assert chat.encode(PROMPT) == CHAT_IDS
+    assert chat.generate(CHAT_IDS, max_new_tokens=N).token_ids == reference.token_ids
+    assert chat.generate(tuple(CHAT_IDS), max_new_tokens=N).token_ids == reference.token_ids
+
+    plain = jaxspec.Generator(model, "ar", chat=False)  # the text encoded as is
+    ids = [5, 9, 7, 11]
+    assert plain.encode(PROMPT) == ids
+    by_text, by_ids = plain.generate(PROMPT, N), plain.generate(ids, N)
+    assert by_text.prompt_ids == by_ids.prompt_ids == ids
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.token_ids != reference.token_ids  # no chat template: another prompt
+
+
+@pytest.mark.parametrize("method", ["ar", "medusa"])
+def test_stream_pieces_join_to_the_generated_text(method, generators, reference):
+    gen = generators[method]
+    stream = gen.stream(PROMPT, max_new_tokens=N)
+    assert stream.result is None  # until it is read
+    pieces = list(stream)
+    assert len(pieces) > 1 and all(pieces)
+    assert "".join(pieces) == gen.generate(PROMPT, max_new_tokens=N).text == reference.text
+    assert stream.result.token_ids == reference.token_ids
+    assert stream.result.text == reference.text
+    for bad, message in [([PROMPT, PROMPT], "one prompt"), ([5, 101], "token id 101")]:
+        with pytest.raises(jaxspec.JaxspecError, match=message):
+            list(gen.stream(bad))
+    with pytest.raises(jaxspec.JaxspecError, match="seed"):
+        list(gen.stream(PROMPT, seed=-1))
+
+
+def test_sampling_is_per_call_and_seeded(generators, reference):
+    gen = generators["medusa"]
+    sample = dict(max_new_tokens=N, temperature=1.0, top_p=0.9)
+    first = gen.generate(PROMPT, **sample, seed=0).token_ids
+    assert gen.generate(PROMPT, **sample, seed=0).token_ids == first
+    others = {tuple(gen.generate(PROMPT, **sample, seed=s).token_ids) for s in (1, 2)}
+    assert others != {tuple(first)}  # another seed, other tokens
+    # top_k=1 keeps only the likeliest token: sampling it is greedy decoding
+    assert gen.generate(PROMPT, N, temperature=1.0, top_k=1, seed=3).token_ids == (
+        reference.token_ids
+    )
+    assert gen.generate(PROMPT, N).token_ids == reference.token_ids  # greedy again after
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top-p"),
+        ({"top_k": -1}, "top-k"),
+        ({"top_k": 102}, "vocabulary"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**32}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": True}, "seed"),
+    ],
+)
+def test_bad_sampling_settings_are_refused(settings, message, generators):
+    with pytest.raises(jaxspec.JaxspecError, match=message):
+        generators["ar"].generate(PROMPT, N, **settings)
+
+
+def test_ppd_refuses_sampling(generators):
+    with pytest.raises(jaxspec.JaxspecError, match="greedily"):
+        generators["ppd"].generate(PROMPT, N, temperature=0.7)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"role": "user", "content": "w5"}, "a prompt is a str or a list of token ids"),
+        ([5.0, 9.0], "a prompt is a str or a list of token ids"),
+        ([5, 101], "token id 101 is outside the vocabulary"),
+        ([5, -1], "token id -1 is outside the vocabulary"),
+        ([True, 5], "a prompt is a str or a list of token ids"),
+        ("", "empty prompt"),
+        ([], "empty prompt"),
+        ([PROMPT, [5, 101]], "token id 101"),
+    ],
+)
+def test_bad_prompts_are_refused(prompt, message, generators):
+    with pytest.raises(jaxspec.JaxspecError, match=message):
+        generators["ar"].generate(prompt, N)
+
+
+def test_load_drafter(model, drafters):
+    settings, params = jaxspec.load_drafter(model, "medusa", drafters / "medusa")
+    assert settings["n_heads"] == 2
+    heads = params["heads"] if isinstance(params, dict) else params
+    assert [h["w"].shape for h in heads] == [(model.cfg.dim, model.cfg.dim)] * 2
+    for bad, message in [("ar", "no drafter"), ("eagle", "unknown")]:
+        with pytest.raises(jaxspec.JaxspecError, match=message):
+            jaxspec.load_drafter(model, bad, drafters / "medusa")
+    with pytest.raises(jaxspec.JaxspecError, match="'firp' drafter, not 'medusa'"):
+        jaxspec.load_drafter(model, "medusa", drafters / "firp")
+
+
+def test_bad_generator_options_fail_at_construction(model, drafters):
+    with pytest.raises(jaxspec.JaxspecError, match="unknown"):
+        jaxspec.Generator(model, "eagle")
+    with pytest.raises(jaxspec.JaxspecError, match="no drafter"):
+        jaxspec.Generator(model, "medusa", drafter=drafters / "nowhere")
+    with pytest.raises(jaxspec.JaxspecError, match="tree"):
+        jaxspec.Generator(model, "medusa", drafter=drafters / "medusa", tree="no-such-tree")
+
+
+def test_load_model_from_an_hf_folder_matches_the_checkpoint(tmp_path, reference):
+    hf_dir, _ = save_tiny(tmp_path, n_kv_heads=2)  # the model tiny_ckpt was converted from
+    hf = jaxspec.load_model(hf_dir, dtype="float32")
+    assert hf.path == hf_dir and hf.cfg.vocab_size == 101
+    out = jaxspec.Generator(hf, "ar").generate(PROMPT, max_new_tokens=N)
+    assert out.token_ids == reference.token_ids and out.text == reference.text
+
+
+def test_load_model_refuses_a_missing_path_and_a_bad_dtype(tmp_path, tiny_ckpt):
+    missing = tmp_path / "no-model-here"
+    with pytest.raises(jaxspec.JaxspecError, match=re.escape(str(missing))):
+        jaxspec.load_model(missing)
+    with pytest.raises(jaxspec.JaxspecError, match="dtype"):
+        jaxspec.load_model(tiny_ckpt[0], dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def bfloat16_ar(tiny_ckpt):
+    model16 = jaxspec.load_model(tiny_ckpt[0], dtype="bfloat16")
+    return model16, jaxspec.Generator(model16).generate(PROMPT, max_new_tokens=N)
+
+
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_drafters_load_and_stay_lossless_in_bfloat16(method, bfloat16_ar, drafters):
+    """bfloat16 keeps block weights [out,in] (`layers.OutIn`); drafter files, stored against
+    the [in,out] layout, still pass their checks and decode bfloat16 AR's tokens."""
+    model16, ar = bfloat16_ar
+    gen = jaxspec.Generator(model16, method, **options(method, drafters))
+    assert gen.generate(PROMPT, max_new_tokens=N).token_ids == ar.token_ids
+
+
+def test_stream_is_an_iterator(generators, reference):
+    stream = generators["ar"].stream(PROMPT, max_new_tokens=N)
+    assert iter(stream) is stream and isinstance(next(stream), str)
+    list(stream)
+    assert stream.result.token_ids == reference.token_ids
