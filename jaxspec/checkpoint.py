@@ -143,8 +143,15 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def check_params(params: dict, cfg: LlamaConfig) -> None:
     """One error listing every missing, unexpected or misshapen tensor."""
-    want = expected_shapes(cfg)
     have = {k: tuple(np.shape(v)) for k, v in flatten_params(params).items()}
+    problems = shape_problems(expected_shapes(cfg), have, 12)
+    if problems:
+        raise JaxspecError(f"weights do not match the {cfg.name} config: {problems}")
+
+
+def shape_problems(want: dict, have: dict, shown: int) -> str:
+    """The first `shown` missing, unexpected or misshapen names of `have` against `want`
+    (name -> shape), "; "-joined; "" when they match."""
     problems = [f"missing {k}" for k in want if k not in have]
     problems += [f"unexpected {k}" for k in have if k not in want]
     problems += [
@@ -152,8 +159,5 @@ def check_params(params: dict, cfg: LlamaConfig) -> None:
         for k in want
         if k in have and have[k] != want[k]
     ]
-    if problems:
-        shown = "; ".join(problems[:12]) + (
-            f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""
-        )
-        raise JaxspecError(f"weights do not match the {cfg.name} config: {shown}")
+    more = f"; ... {len(problems) - shown} more" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more

@@ -84,28 +84,17 @@ def read_meta(file: Path) -> dict:
 def check_weights(drafter, base_params, params, path: Path) -> None:
     """The stored tensors are exactly those `drafter.init` makes, in its shapes; else one
     error listing what is missing, unexpected or misshapen."""
-    from jaxspec.checkpoint import flatten_params, unflatten_params
+    from jaxspec.checkpoint import flatten_params, shape_problems, unflatten_params
 
     def init(params):  # from the model's weights in stored [in,out] layout, as training saw
         n_layers = len(params["layers"])
         return drafter.init(unflatten_params(flatten_params(params), n_layers), jax.random.key(0))
 
-    want = _shapes(jax.eval_shape(init, base_params))
-    have = _shapes(params)
-    problems = [f"missing {k}" for k in want if k not in have]
-    problems += [f"unexpected {k}" for k in have if k not in want]
-    problems += [
-        f"{k} has shape {have[k]}, expected {want[k]}"
-        for k in want
-        if k in have and have[k] != want[k]
-    ]
+    problems = shape_problems(_shapes(jax.eval_shape(init, base_params)), _shapes(params), 6)
     if problems:
-        shown = "; ".join(problems[:6]) + (
-            f"; ... {len(problems) - 6} more" if len(problems) > 6 else ""
-        )
         raise JaxspecError(
-            f"drafter weights {path / WEIGHTS} do not fit its settings and this model: {shown}; "
-            "retrain the drafter"
+            f"drafter weights {path / WEIGHTS} do not fit its settings and this model: "
+            f"{problems}; retrain the drafter"
         )
 
 
