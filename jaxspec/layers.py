@@ -78,8 +78,8 @@ class OutIn:
     """A linear weight w [out,in] (HF's order) that `dense` multiplies as [in,out].
 
     bfloat16 weights are kept so for decoding (`llama.compute_params`): on CPUs with AMX,
-    XLA:CPU's bfloat16 product reads [out,in] up to 3x faster than [in,out] (down_proj,
-    3-48 rows; BENCHMARKS.md, 2026-11-23, bfloat16 weights stored [out,in])."""
+    XLA:CPU's bfloat16 product reads [out,in] faster than [in,out] (docs/design.md,
+    Precision)."""
 
     w: jax.Array
 

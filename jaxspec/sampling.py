@@ -60,9 +60,8 @@ def warped_logprobs(logits: jax.Array, s: Sampling) -> jax.Array:
     """logits [..., V] -> log-probabilities [..., V], -inf outside the top-k/top-p support.
 
     top-k keeps the k tokens jax.lax.top_k returns (the lower id first among equal logits);
-    the nucleus is then taken among them, so only k values are sorted, not V. On XLA:CPU a
-    verify step's [T, V] sort costs more than its forward (~10 ms a row at V = 49152),
-    hence also `_keep_nucleus`."""
+    the nucleus is then taken among them, so only k values are sorted, not V: on XLA:CPU a
+    verify step's [T, V] sort can cost more than its forward, hence also `_keep_nucleus`."""
     logits = logits.astype(jnp.float32) / s.temperature
     if s.top_k:
         values, ids = jax.lax.top_k(logits, s.top_k)  # [..., k], descending
@@ -83,8 +82,8 @@ def _scatter(values: jax.Array, ids: jax.Array, like: jax.Array) -> jax.Array:
 def _keep_nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     """logits [..., V] -> the same with -inf outside each row's nucleus (exact).
 
-    GPUs and TPUs sort the whole [..., V] block at once. XLA:CPU sorts ~10 ms a row at
-    V = 49152, so there, row by row, the nucleus is sought among the top
+    GPUs and TPUs sort the whole [..., V] block at once. XLA:CPU sorts a large vocabulary
+    slowly, so there, row by row, the nucleus is sought among the top
     NUCLEUS_CANDIDATES tokens (only they are sorted, by jax.lax.top_k), then among more,
     and the whole row is sorted only when its nucleus is wider still (a flat row at high
     temperature)."""

@@ -195,7 +195,7 @@ def searched_trees(topk_accuracy, sizes=(8, 16, 32, 64)) -> dict[str, list[list[
     return {f"searched-{n}": [list(p) for p in search_tree(per_rank, n).paths] for n in sizes}
 
 
-# Presets. CPU trees are small (a CPU verify step costs ~1.5x AR at 8 nodes, ~2x at 16);
+# Presets. CPU trees are small (a CPU verify step's cost grows fast with its nodes);
 # the GPU tree has the size and shape class of Medusa's mc_sim_7b_63 (63 nodes, depth 4,
 # top-10 per head), here searched from typical Medusa head accuracies.
 _TYPICAL_ACCURACY = np.array(
