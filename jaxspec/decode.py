@@ -24,7 +24,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
 from jaxspec.llama import embed, final_norm, lm_logits, vocab_projection
-from jaxspec.sampling import Sampling, position_keys, select_tokens
+from jaxspec.sampling import Sampling, check_seed, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
     accept_greedy,
@@ -236,16 +236,12 @@ class SpeculativeGenerator:
         # kept, and a finished row commits one more step before the host sees it finished
         # (generate_batch).
         ahead = 2 * (self.tree.max_depth + 1)
-        needed = prompt_len + max_new_tokens + ahead
-        if needed > self.max_len:
-            shallower = " or use a shallower tree" if self.tree.max_depth else ""
-            raise JaxspecError(
-                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens + {ahead} slots "
-                f"that the steps of {self.tree.label} write ahead (2 x (depth "
-                f"{self.tree.max_depth} + 1)) need {needed} positions, which exceeds the cache of "
-                f"{self.max_len} positions; shorten the prompt, lower --max-new-tokens{shallower}"
-            )
-        return cache_len(prompt_len, max_new_tokens, ahead, self.max_len)
+        why = (
+            f"that the steps of {self.tree.label} write ahead (2 x (depth "
+            f"{self.tree.max_depth} + 1))"
+        )
+        fix = " or use a shallower tree" if self.tree.max_depth else ""
+        return cache_len(prompt_len, max_new_tokens, ahead, self.max_len, why, fix)
 
     def check_memory(self, batch: int, cache_len: int) -> None:
         """Refuse, before allocating, a step that would not fit in the memory available."""
@@ -340,7 +336,7 @@ class SpeculativeGenerator:
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = p
         cache = init_cache(self.cfg, B, S)
-        key = jax.random.key(seed)
+        key = jax.random.key(check_seed(seed))
         lengths = jnp.array([len(p) for p in prompts], jnp.int32)
         dp = self.drafter_params
 

@@ -19,18 +19,23 @@ def bucket(n: int, minimum: int) -> int:
     return power * 3 // 4 if n <= power * 3 // 4 and power >= 8 else power
 
 
-def cache_len(prompt_len: int, max_new_tokens: int, extra: int, max_len: int) -> int:
+def cache_len(
+    prompt_len: int, max_new_tokens: int, extra: int, max_len: int, extra_why: str = "", fix=""
+) -> int:
     """The cache length for a request that may write `extra` slots past its last kept
-    token; clear errors for empty prompts, no new tokens, and requests that do not fit."""
+    token (`extra_why` says why, `fix` adds a remedy); clear errors for empty prompts, no new
+    tokens, and requests that do not fit."""
     if prompt_len == 0:
         raise JaxspecError("empty prompt: pass some text (or token ids) to generate from")
     if max_new_tokens < 1:
         raise JaxspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     needed = prompt_len + max_new_tokens + extra
     if needed > max_len:
+        slots = f" + {extra} slots {extra_why}" if extra_why else ""
         raise JaxspecError(
-            f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens exceeds the "
-            f"cache of {max_len} positions; shorten the prompt or lower --max-new-tokens"
+            f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens{slots} need {needed} "
+            f"positions, which exceeds the cache of {max_len} positions; shorten the prompt"
+            + (f", lower --max-new-tokens{fix}" if fix else " or lower --max-new-tokens")
         )
     return min(bucket(needed, MIN_CACHE_LEN), max_len)
 

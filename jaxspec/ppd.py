@@ -211,7 +211,7 @@ class PpdGenerator:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens=None) -> GenerationResult:  # fmt: skip
-        S = cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len)
+        S = cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
         P = min(bucket(len(prompt_ids), MIN_PROMPT_BUCKET), S)
         compile_s = self._warm_up(P, S)
         tokens = np.zeros((1, P), np.int32)
