@@ -22,7 +22,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.generate import GenerationResult
 from jaxspec.methods import DRAFTERS_DIR, build_generator
 from jaxspec.models import LoadedModel
-from jaxspec.sampling import Sampling
+from jaxspec.sampling import Sampling, check_seed
 from jaxspec.text import TextStream, encode_prompt
 
 Prompt = str | list[int]
@@ -114,7 +114,7 @@ class Generator:
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
         results = [
             dataclasses.replace(r, text=self._decode_text(r.token_ids))
-            for r in decoder.generate_batch(ids, max_new_tokens, _check_seed(seed))
+            for r in decoder.generate_batch(ids, max_new_tokens, seed)
         ]
         return results if batch else results[0]
 
@@ -135,7 +135,7 @@ class Generator:
             raise JaxspecError("stream takes one prompt; use generate for a batch")
         ids = self.encode(prompt)
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
-        return Stream(self, decoder, ids, max_new_tokens, _check_seed(seed))
+        return Stream(self, decoder, ids, max_new_tokens, check_seed(seed))
 
 
 class Stream:
@@ -178,12 +178,6 @@ def _is_batch(prompts) -> bool:
     return isinstance(prompts, (list, tuple)) and any(
         isinstance(p, (str, list, tuple)) for p in prompts
     )
-
-
-def _check_seed(seed: int) -> int:
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-        raise JaxspecError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
-    return seed
 
 
 def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None):

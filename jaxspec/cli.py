@@ -8,7 +8,6 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from jaxspec.errors import JaxspecError
 
@@ -69,66 +68,23 @@ def _number(text: str, kind: type):
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _bounded(kind: type, low, high=None, *, low_open=False, says: str) -> Callable:
+    """An argparse type: a finite `kind` in [low, high] (low excluded when `low_open`)."""
+
+    def parse(text: str):
+        value = _number(text, kind)
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{says}, got {value}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def seed(text: str) -> int:
-    """A random seed: an integer in [0, 2**32) (jax.random.key keeps only the low 32 bits
-    without 64-bit mode: larger seeds would silently repeat smaller ones' samples)."""
-    value = _number(text, int)
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**32 - 1, got {text}")
-    return value
-
-
-def temperature(text: str) -> float:
-    """A finite temperature >= 0 (0 means greedy decoding)."""
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or positive, got {value}")
-    return value
-
-
-def probability(text: str) -> float:
-    """A top_p in (0, 1]."""
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 keeps every token), got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def read_text(path: Path, what: str = "file") -> str:
-    """A UTF-8 text file's contents, or a one-line error naming the file."""
-    try:
-        return Path(path).read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise JaxspecError(f"no such {what}: {path}") from None
-    except IsADirectoryError:
-        raise JaxspecError(f"{what} {path} is a folder; pass a file") from None
-    except UnicodeDecodeError as e:
-        raise JaxspecError(
-            f"{what} {path} is not UTF-8 text (byte {e.start}); save it as UTF-8"
-        ) from None
-    except OSError as e:
-        raise JaxspecError(f"cannot read {what} {path}: {e.strerror}") from None
+positive_int = _bounded(int, 1, says="must be at least 1")
+nonnegative_int = _bounded(int, 0, says="must be 0 or more")
+positive_float = _bounded(float, 0, low_open=True, says="must be positive")
+nonnegative_float = _bounded(float, 0, says="must be 0 or more")
+temperature = _bounded(float, 0, says="must be 0 (greedy) or positive")
+probability = _bounded(float, 0, 1, low_open=True, says="must be in (0, 1]")
+# The bound of sampling.check_seed, checked here without importing jax.
+seed = _bounded(int, 0, 2**32 - 1, says="a seed is an integer from 0 to 2**32 - 1")

@@ -18,6 +18,14 @@ NEG_INF = jnp.finfo(jnp.float32).min
 NUCLEUS_CANDIDATES = (256, 4096)  # top_p alone: the nucleus is sought among this many tokens
 
 
+def check_seed(seed) -> int:
+    """A seed jax.random.key takes whole: an integer in [0, 2**32) (without 64-bit mode it
+    keeps only the low 32 bits, so larger seeds would repeat smaller ones' samples)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise JaxspecError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
+    return seed
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1 means no nucleus.

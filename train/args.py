@@ -6,40 +6,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 from collections.abc import Iterator
 from pathlib import Path
 
 from jaxspec.checkpoint import default_model_dir, jaxspec_home
-from jaxspec.cli import ArgumentParser, positive_int, seed
+from jaxspec.cli import ArgumentParser, nonnegative_float, positive_int, seed
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 from train.checkpoints import run_name
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def rate(text: str) -> float:
-    """A fraction in (0, 1]."""
-    value = _finite(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
 
 
 def int_list(text: str) -> str:
@@ -133,10 +106,11 @@ def default_out(args, method: str, model_name: str) -> Path:
 
 @contextlib.contextmanager
 def training_run(args, work: Path, default: Path) -> Iterator[Path]:
-    """Yields the output folder (--out, else `default`), both folders checked first, with
-    `work` held: a second training on it is refused, naming this process."""
+    """Yields the output folder (--out, else `default`), with `work` held: a second training
+    on it is refused, naming this process. `parse` checked the folders given; the defaults
+    are checked here."""
     out = args.out or default
-    check_folders(args, out, work)
+    check_folders(args, None if args.out else out, None if args.work_dir else work)
     with exclusive(work):
         print(f"writing to {out} (work folder {work})", flush=True)
         yield out

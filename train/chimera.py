@@ -29,7 +29,7 @@ import optax
 from tqdm import tqdm
 
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.cli import nonnegative_int, positive_float, positive_int
+from jaxspec.cli import nonnegative_float, nonnegative_int, positive_float, positive_int
 from jaxspec.drafters.chimera import (
     BOTTOMS,
     ChimeraDrafter,
@@ -41,7 +41,7 @@ from jaxspec.llama import final_norm, lm_logits
 from jaxspec.models import load_model
 from jaxspec.tree import searched_trees
 from train.acceptance import measure_acceptance
-from train.args import default_out, nonnegative_float, parse, trainer_parser, training_run
+from train.args import default_out, parse, trainer_parser, training_run
 from train.checkpoints import (
     command_flags,
     initial_params,

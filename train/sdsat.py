@@ -34,7 +34,7 @@ import optax
 from tqdm import tqdm
 
 from jaxspec.checkpoint import jaxspec_home
-from jaxspec.cli import nonnegative_int, positive_int
+from jaxspec.cli import nonnegative_int, positive_int, probability
 from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
@@ -43,7 +43,7 @@ from jaxspec.llama import embed, run_layers
 from jaxspec.models import load_model
 from jaxspec.tree import searched_trees, tree_preset
 from train.acceptance import measure_acceptance
-from train.args import default_out, parse, rate, trainer_parser, training_run
+from train.args import default_out, parse, trainer_parser, training_run
 from train.checkpoints import (
     command_flags,
     initial_params,
@@ -81,7 +81,7 @@ def parse_args(argv):
         "(a), the paper's full fine-tuning, writes a whole checkpoint to --out (default: "
         "$JAXSPEC_HOME/models/<model>-sdsat-full)",
     )
-    p.add_argument("--mask-rate", type=rate, default=0.1, help="full mode: span start rate")
+    p.add_argument("--mask-rate", type=probability, default=0.1, help="full mode: span start rate")
     p.add_argument("--rank", type=nonnegative_int, default=16, help="LoRA rank of the adapter")
     p.add_argument("--ids", type=positive_int, default=1, help="distinct adaptive token ids")
     p.add_argument("--window", type=positive_int, default=8, help="max mask window L")
