@@ -27,17 +27,23 @@ def fingerprint(cfg: LlamaConfig) -> dict:
     }
 
 
-def flatten(tree, prefix="") -> dict[str, np.ndarray]:
+def _stored(leaf) -> np.ndarray:
+    """float16 stays float16 (drafters stored half size); the rest as float32."""
+    array = np.asarray(leaf)
+    return array if array.dtype == np.float16 else array.astype(np.float32)
+
+
+def flatten(tree, prefix="", leaf=_stored) -> dict:
+    """Nested dicts and lists -> {"a.0.b": leaf(x)}: the names drafter files store."""
     if isinstance(tree, dict):
         items = tree.items()
     elif isinstance(tree, (list, tuple)):
         items = ((str(i), v) for i, v in enumerate(tree))
-    else:  # float16 stays float16 (drafters stored half size); the rest as float32
-        array = np.asarray(tree)
-        return {prefix[:-1]: array if array.dtype == np.float16 else array.astype(np.float32)}
+    else:
+        return {prefix[:-1]: leaf(tree)}
     out = {}
     for k, v in items:
-        out.update(flatten(v, f"{prefix}{k}."))
+        out.update(flatten(v, f"{prefix}{k}.", leaf))
     return out
 
 
@@ -99,14 +105,8 @@ def check_weights(drafter, base_params, params, path: Path) -> None:
 
 
 def _shapes(tree) -> dict[str, tuple[int, ...]]:
-    """Flat dotted name (the names `flatten` stores) -> shape."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        ".".join(
-            str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path
-        ): tuple(leaf.shape)
-        for path, leaf in leaves
-    }
+    """Stored name -> shape (of arrays or abstract ShapeDtypeStructs)."""
+    return flatten(tree, leaf=lambda x: tuple(x.shape))
 
 
 def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32):
