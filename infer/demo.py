@@ -7,12 +7,11 @@ different model, whose tokens may differ)."""
 
 from __future__ import annotations
 
+from jaxspec.api import Generator
 from jaxspec.autoconfig import Choice, best_configuration
 from jaxspec.cli import ArgumentParser, run_main
 from jaxspec.generate import GenerationResult
-from jaxspec.methods import build_generator
 from jaxspec.models import load_model
-from jaxspec.text import TextStream, encode_prompt
 
 DEFAULT_PROMPT = "Write a short poem about the sea."
 NEW_TOKENS = 128
@@ -39,11 +38,10 @@ def _main(argv) -> None:
     model = load_model(dtype=best.dtype)
     print(f"model: {model.cfg.name} ({model.cfg.n_params / 1e6:.0f}M params), {best.label}\n")
     print(f">>> {prompt}\n")
-    ids = encode_prompt(model.tokenizer, prompt)
-    stream = TextStream(model.tokenizer)
-    result = build_generator(model, best.method, tree=best.tree).generate(
-        ids, NEW_TOKENS, on_tokens=lambda t: print(stream.push(t), end="", flush=True)
-    )
+    stream = Generator(model, best.method, tree=best.tree).stream(prompt, NEW_TOKENS)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    result = stream.result
     print(
         f"\n\n[{best.label}] {result.new_tokens} tokens in {result.steps} steps: "
         f"{result.mean_accepted:.2f} tokens/step, {result.tokens_per_s:.1f} tokens/s"
@@ -51,7 +49,7 @@ def _main(argv) -> None:
     if best.method == "ar":
         print("no drafter decodes faster than AR here: AR is the fastest lossless configuration")
     else:
-        compare_with_ar(model, choice, ids, result)
+        compare_with_ar(model, choice, prompt, result)
     print("(compilation excluded from all timings)")
 
 
@@ -66,13 +64,13 @@ def summary(choice: Choice) -> str:
     )
 
 
-def compare_with_ar(model, choice: Choice, ids: list[int], result: GenerationResult) -> None:
+def compare_with_ar(model, choice: Choice, prompt: str, result: GenerationResult) -> None:
     """AR on the same prompt: in the chosen dtype for the lossless check, in the faster AR
     dtype here for the speedup (one run when they are the same)."""
     dtype, fastest_ar = choice.best.dtype, choice.fastest_ar
-    same_dtype = ar = build_generator(model, "ar").generate(ids, NEW_TOKENS)
+    same_dtype = ar = Generator(model).generate(prompt, NEW_TOKENS)
     if fastest_ar.dtype != dtype:
-        ar = build_generator(load_model(dtype=fastest_ar.dtype), "ar").generate(ids, NEW_TOKENS)
+        ar = Generator(load_model(dtype=fastest_ar.dtype)).generate(prompt, NEW_TOKENS)
     print(
         f"[{fastest_ar.label}] {ar.tokens_per_s:.1f} tokens/s -> speedup "
         f"{result.tokens_per_s / ar.tokens_per_s:.2f}x over the fastest AR here "
