@@ -1,13 +1,15 @@
 """jaxspec's checkpoint folder: jaxspec.json (config) + model.safetensors + tokenizer files.
 
-Tensors are stored under flat names in jaxspec's layout ([in, out] linear weights):
-`embed_tokens`, `layers.{i}.q_proj`, ..., `norm`, `lm_head`.
+Tensors are stored under flat names in jaxspec's layout (`jaxspec.param_table`; [in, out]
+linear weights): top-level names as they are (`embed_tokens`, `norm`, ...), a layer's as
+`layers.{i}.{name}` (`layers.0.q_proj`, ...).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from safetensors.flax import save_file
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import OutIn
+from jaxspec.param_table import param_shapes
 
 CONFIG_FILE = "jaxspec.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -39,9 +42,9 @@ def default_dtype():
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def flatten_params(params: dict) -> dict[str, jax.Array]:
+def flatten_params(params: dict) -> dict[str, Any]:
     """{"layers.{i}.{name}": w [in,out], other names: w}, whatever order compute_params
-    gave the weights."""
+    gave the weights (leaves are arrays, or whatever a params-shaped tree holds)."""
     flat = {k: v for k, v in params.items() if k != "layers"}
     for i, layer in enumerate(params["layers"]):
         flat.update({f"layers.{i}.{name}": _in_out(w) for name, w in layer.items()})
@@ -120,25 +123,9 @@ def load_checkpoint(path: Path, dtype=None) -> tuple[LlamaConfig, dict]:
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Flat name -> shape of every tensor a checkpoint of this config must hold."""
-    D, F, H, N, K = cfg.dim, cfg.ffn_dim, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    shapes = {"embed_tokens": (cfg.vocab_size, D), "norm": (D,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head"] = (D, cfg.vocab_size)
-    layer = {
-        "input_layernorm": (D,),
-        "q_proj": (D, N * H),
-        "k_proj": (D, K * H),
-        "v_proj": (D, K * H),
-        "o_proj": (N * H, D),
-        "post_attention_layernorm": (D,),
-        "gate_proj": (D, F),
-        "up_proj": (D, F),
-        "down_proj": (F, D),
-    }
-    for i in range(cfg.n_layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
-    return shapes
+    """Flat name -> shape of every tensor a checkpoint of this config must hold (from
+    `param_table`, flattened as params are for saving)."""
+    return flatten_params(param_shapes(cfg))
 
 
 def check_params(params: dict, cfg: LlamaConfig) -> None:

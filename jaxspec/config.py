@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec.errors import JaxspecError
+from jaxspec.param_table import param_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +87,8 @@ class LlamaConfig:
 
     @property
     def n_params(self) -> int:
-        D, F, H, L, V = self.dim, self.ffn_dim, self.head_dim, self.n_layers, self.vocab_size
-        attn = D * H * (2 * self.n_heads + 2 * self.n_kv_heads)
-        per_layer = attn + 3 * D * F + 2 * D
-        return L * per_layer + V * D * (1 if self.tie_embeddings else 2) + D
+        """Number of scalars in the model's params (counted from `param_table`)."""
+        return param_count(self)
 
     # ---- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

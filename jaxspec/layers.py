@@ -84,7 +84,18 @@ class OutIn:
     w: jax.Array
 
 
-def dense(x: jax.Array, w: jax.Array | OutIn) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PlainProducts:
+    """A bfloat16 linear weight (an array [in,out] or an OutIn) that `dense` multiplies in
+    one bfloat16 x bfloat16 pass accumulated in float32 instead of split_bfloat16's three:
+    fewer products where they are the bottleneck (a long prefill on an accelerator), but x
+    rounded to bfloat16, and a row's result may depend on the rows computed with it."""
+
+    w: jax.Array | OutIn
+
+
+def dense(x: jax.Array, w: jax.Array | OutIn | PlainProducts) -> jax.Array:
     """x [...,in] times w [in,out] (or an OutIn holding [out,in]) -> [...,out] float32.
 
     float32 w: a float32 product. bfloat16 w: x is split exactly into three bfloat16 row
@@ -94,12 +105,15 @@ def dense(x: jax.Array, w: jax.Array | OutIn) -> jax.Array:
     rows. That kernel serves >= 3 rows (one or two fall to slower kernels with other bits),
     which the split always gives, and a row's result does not depend on how many rows are
     computed: the same bits alone (AR) as among a tree's (verify)."""
-    spec = "ri,io->ro"
+    spec, plain = "ri,io->ro", isinstance(w, PlainProducts)
+    w = w.w if plain else w
     if isinstance(w, OutIn):
         spec, w = "ri,oi->ro", w.w
     rows = x.reshape(-1, x.shape[-1])  # [R,in]
     n = rows.shape[0]
-    if w.dtype == jnp.bfloat16:
+    if plain:
+        y = jnp.einsum(spec, rows.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    elif w.dtype == jnp.bfloat16:
         y = jnp.einsum(spec, split_bfloat16(rows), w, preferred_element_type=jnp.float32)
         y = y[:n] + y[n : 2 * n] + y[2 * n :]  # [R,out]
     else:

@@ -1,15 +1,10 @@
 """The Llama model as pure functions of an explicit parameter pytree.
 
-params = {
-  "embed_tokens": [V,D],
-  "layers": [{"input_layernorm": [D], "q_proj": [D,N*H], "k_proj": [D,K*H],
-              "v_proj": [D,K*H], "o_proj": [N*H,D], "post_attention_layernorm": [D],
-              "gate_proj": [D,F], "up_proj": [D,F], "down_proj": [F,D]}, ...],  # L layers
-  "norm": [D],
-  "lm_head": [D,V],  # absent when embeddings are tied
-}
-Linear weights are stored [in, out] (HF stores [out, in]); names mirror HF. For decoding
-in bfloat16, `compute_params` keeps the blocks' linear weights [out, in] (layers.OutIn).
+params: a dict of arrays laid out by the one table in `jaxspec.param_table` (names, shapes,
+logical axes; its docstring draws the tree): top-level weights and "layers", a list of one
+dict per decoder block. Linear weights are stored [in, out] (HF stores [out, in]); names
+mirror HF. For decoding in bfloat16, `compute_params` keeps the blocks' linear weights
+[out, in] (layers.OutIn).
 """
 
 from __future__ import annotations
@@ -19,10 +14,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxspec import param_table
 from jaxspec.config import LlamaConfig
 from jaxspec.kv_cache import KVBlock, KVCache, attention_mask
 from jaxspec.layers import (
     OutIn,
+    PlainProducts,
     apply_rope,
     attention,
     dense,
@@ -37,7 +34,8 @@ Params = dict
 Linear = Callable[[jax.Array, str], jax.Array]
 
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A decoder block's linear weights (q_proj ... down_proj): its entries that are not norms.
+LINEAR_NAMES = tuple(p.name for p in param_table.TABLE if p.per_layer and p.init == "normal")
 
 
 def compute_params(tree, dtype=None):
@@ -57,6 +55,23 @@ def compute_params(tree, dtype=None):
         return a
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def plain_products(params: Params) -> Params:
+    """The model's params with every bfloat16 decoder-block linear weight multiplied in one
+    bfloat16 pass (layers.PlainProducts); the same arrays, no copy."""
+
+    def layer(p: dict) -> dict:
+        return {
+            name: PlainProducts(w) if name in LINEAR_NAMES and _is_bfloat16(w) else w
+            for name, w in p.items()
+        }
+
+    return {**params, "layers": [layer(p) for p in params["layers"]]}
+
+
+def _is_bfloat16(w) -> bool:
+    return (w.w if isinstance(w, OutIn) else w).dtype == jnp.bfloat16
 
 
 def plain_linear(p: dict) -> Linear:
@@ -171,30 +186,23 @@ def forward(
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02):
-    """Random parameters (tests, and timing at 7B/13B shapes)."""
-    D, F, H = cfg.dim, cfg.ffn_dim, cfg.head_dim
-    shapes = {
-        "q_proj": (D, cfg.n_heads * H),
-        "k_proj": (D, cfg.n_kv_heads * H),
-        "v_proj": (D, cfg.n_kv_heads * H),
-        "o_proj": (cfg.n_heads * H, D),
-        "gate_proj": (D, F),
-        "up_proj": (D, F),
-        "down_proj": (F, D),
-    }
-    keys = iter(jax.random.split(key, cfg.n_layers * len(shapes) + 2))
+    """Random parameters (tests, and timing at 7B/13B shapes) from `param_table`: weights
+    scale * N(0, 1), norms ones. Keys are drawn layer by layer, then for the top level, one
+    per weight the table can hold: an absent one (lm_head when tied) keeps its key, so an
+    option never changes the other weights' draws."""
+    weights = [p for p in param_table.TABLE if p.init == "normal"]
+    n_keys = sum(cfg.n_layers if p.per_layer else 1 for p in weights)
+    keys = iter(jax.random.split(key, n_keys))
 
-    def normal(shape):
-        return (scale * jax.random.normal(next(keys), shape)).astype(dtype)
+    def make(entries) -> dict:
+        out = {}
+        for p in entries:
+            k = next(keys) if p.init == "normal" else None  # drawn even when p is absent
+            if p.present(cfg):
+                shape = p.shape(cfg)
+                w = jnp.ones(shape) if k is None else scale * jax.random.normal(k, shape)
+                out[p.name] = w.astype(dtype)
+        return out
 
-    layers = []
-    for _ in range(cfg.n_layers):
-        layer = {name: normal(shape) for name, shape in shapes.items()}
-        layer["input_layernorm"] = jnp.ones((D,), dtype)
-        layer["post_attention_layernorm"] = jnp.ones((D,), dtype)
-        layers.append(layer)
-    params = {"embed_tokens": normal((cfg.vocab_size, D)), "layers": layers}
-    params["norm"] = jnp.ones((D,), dtype)
-    if not cfg.tie_embeddings:
-        params["lm_head"] = normal((D, cfg.vocab_size))
-    return params
+    layers = [make(p for p in param_table.TABLE if p.per_layer) for _ in range(cfg.n_layers)]
+    return {**make(p for p in param_table.TABLE if not p.per_layer), "layers": layers}
