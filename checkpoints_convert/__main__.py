@@ -1,3 +1,3 @@
-from checkpoints_convert.cli import main
+from .cli import main
 
 main()

@@ -62,8 +62,8 @@ def load_sdsat(model, folder: Path | None):
     from jaxspec.methods import DRAFTERS_DIR, make_drafter
 
     folder = folder or DRAFTERS_DIR / model.cfg.name / "sdsat"
-    settings, dparams = load_drafter(folder, "sdsat", model.cfg)
-    return make_drafter("sdsat", model.cfg, settings), dparams
+    stored = load_drafter(folder, "sdsat", model.cfg)
+    return make_drafter("sdsat", model.cfg, stored.settings), stored.params
 
 
 def main(argv=None) -> None:

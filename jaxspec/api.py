@@ -33,11 +33,14 @@ class Generator:
 
     drafter: a drafter folder (None: the one shipped for the model); tree: a tree preset or
     one the drafter ships (None: the method's default for this backend); max_len: cache
-    length limit (None: the model's context). ppd_k / ppd_layer, firp_chains and
-    sdsat_loop are those methods' options (see `jaxspec-generate --help`). PPD pipelines
-    over ppd_k + 1 devices: on a CPU, ask for virtual ones before jax starts, e.g.
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 (`import jaxspec` does not start jax).
-    A PPD step is one token: its tokens per step are always 1."""
+    length limit (None: the model's context); products: how bfloat16 weights multiply,
+    "exact" (default), "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS). ppd_k /
+    ppd_layer, firp_chains and sdsat_loop are those methods' options (see
+    `jaxspec-generate --help`). PPD pipelines over ppd_k + 1 devices; with fewer (a CPU
+    process has one unless XLA_FLAGS=--xla_force_host_platform_device_count=4 is set before
+    jax starts; `import jaxspec` does not start it) its sub-processes share them: the same
+    tokens, without the parallel speedup, and a warning says so. A PPD step is one token:
+    its tokens per step are always 1."""
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class Generator:
         drafter: str | Path | None = None,
         tree: str | None = None,
         max_len: int | None = None,
+        products: str = "exact",
         chat: bool = True,
         ppd_k: int | None = None,
         ppd_layer: int | None = None,
@@ -57,8 +61,8 @@ class Generator:
         self.model, self.method, self.chat = model, method, chat
         self._options = dict(
             drafter_dir=Path(drafter) if drafter is not None else None, tree=tree,
-            max_len=max_len, ppd_k=ppd_k, ppd_layer=ppd_layer, firp_chains=firp_chains,
-            sdsat_loop=sdsat_loop,
+            max_len=max_len, products=products, ppd_k=ppd_k, ppd_layer=ppd_layer,
+            firp_chains=firp_chains, sdsat_loop=sdsat_loop,
         )  # fmt: skip
         self._built: dict[Sampling, object] = {}
         self._decoder(Sampling())  # a bad drafter, tree or option fails here, not later
@@ -181,8 +185,8 @@ def _is_batch(prompts) -> bool:
 
 
 def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None):
-    """(settings, weights) of a drafter folder (None: the one shipped for the model),
-    checked against the model."""
+    """A drafter folder (None: the one shipped for the model) checked against the model:
+    its settings, weights and data arrays (`jaxspec.drafters.store.StoredDrafter`)."""
     from jaxspec.drafters.store import load_drafter as load
 
     if not registry.method(method).drafter_folder:

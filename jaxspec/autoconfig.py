@@ -31,7 +31,7 @@ from jaxspec.api import Generator
 from jaxspec.checkpoint import CONFIG_FILE, is_checkpoint, jaxspec_home
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.registry import REGISTRY
-from jaxspec.drafters.store import META, WEIGHTS, read_meta
+from jaxspec.drafters.store import DATA, META, WEIGHTS, read_settings
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import GenerationResult
 from jaxspec.methods import DRAFTERS_DIR, default_tree
@@ -137,7 +137,7 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def drafter_identity(folder: Path) -> dict:
     """A drafter's files' sizes and mtimes, which retraining, editing or touching changes."""
-    files = [folder / META, folder / WEIGHTS]
+    files = [folder / META, folder / WEIGHTS, folder / DATA]
     return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()}
 
 
@@ -196,14 +196,14 @@ def candidates(drafters: Path) -> list[Row]:
     float32 and bfloat16 on CPU, bfloat16 on accelerators."""
     dtypes = ("float32", "bfloat16") if jax.default_backend() == "cpu" else ("bfloat16",)
     configs = [("ar", None)] + [
-        (m, _default_tree(drafters / m)) for m in METHODS if (drafters / m / META).is_file()
+        (m, _default_tree(drafters / m, m)) for m in METHODS if (drafters / m / META).is_file()
     ]
     return [Row(dtype, method, tree) for method, tree in configs for dtype in dtypes]
 
 
-def _default_tree(folder: Path) -> str | None:
+def _default_tree(folder: Path, method: str) -> str | None:
     try:
-        return default_tree(read_meta(folder / META)["settings"])
+        return default_tree(read_settings(folder, method)[0])
     except JaxspecError:  # building its Generator fails with the reason, recorded then
         return None
 

@@ -17,7 +17,16 @@ from jaxspec.sampling import Sampling
 
 __all__ = ["METHODS", "SDSAT_LOOPS", "build_generator", "default_tree", "resolve_tree"]
 
-DRAFTERS_DIR = Path(__file__).resolve().parent.parent / "drafters"
+
+def shipped_drafters() -> Path:
+    """The drafters shipped with jaxspec (`<model>/<method>/`): package data in an
+    installed jaxspec, else the source checkout's drafters/ (a clone, an editable install)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "shipped_drafters"
+    return installed if installed.is_dir() else package.parent / "drafters"
+
+
+DRAFTERS_DIR = shipped_drafters()
 PPD_K = 3
 
 
@@ -41,7 +50,7 @@ def check_method(name: str) -> None:
     method(name)
 
 
-def make_drafter(name: str, cfg: LlamaConfig, settings: dict, sdsat_loop: str | None = None):
+def make_drafter(name: str, cfg: LlamaConfig, settings, sdsat_loop: str | None = None):
     """The method's drafter as its folder's settings describe it."""
     options = {"sdsat_loop": sdsat_loop} if sdsat_loop is not None else {}
     return method(name).drafter_class().from_settings(cfg, settings, **options)
@@ -64,11 +73,13 @@ def check_ppd_heads(params: dict, dim: int, folder: Path) -> None:
         )
 
 
-def build_ar(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, options):
-    return SpeculativeGenerator(model.cfg, model.params, sampling=sampling, max_len=max_len)
+def build_ar(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options):
+    return SpeculativeGenerator(
+        model.cfg, model.params, sampling=sampling, max_len=max_len, products=products
+    )
 
 
-def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, options):
+def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options):
     """PPD with the shipped early-prediction head for `ppd_layer` when there is one (else
     the untrained early exit); ppd_layer None: the shipped default, else ceil(d/2)."""
     from jaxspec.drafters.store import load_drafter
@@ -76,40 +87,40 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, optio
 
     if sampling is not None and not sampling.greedy:
         raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
+    if products != "exact":
+        raise JaxspecError("ppd multiplies exactly: --products applies to the other methods")
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
-    settings, heads = {}, {}
+    default_layer, heads = None, {}
     if drafter_dir.is_dir():
-        settings, params = load_drafter(drafter_dir, m.name, model.cfg)
-        check_ppd_heads(params, model.cfg.dim, drafter_dir)
-        heads = compute_params(params["heads"], model.weight_dtype)
+        stored = load_drafter(drafter_dir, m.name, model.cfg)
+        check_ppd_heads(stored.params, model.cfg.dim, drafter_dir)
+        heads = compute_params(stored.params["heads"], model.weight_dtype)
+        default_layer = stored.settings.default_layer
     k = options.get("ppd_k") or PPD_K
-    layer = options.get("ppd_layer") or settings.get("default_layer")
+    layer = options.get("ppd_layer") or default_layer
     layer = layer or (model.cfg.n_layers + 1) // 2
     return PpdGenerator(model.cfg, model.params, k, layer, heads.get(head_name(layer)), max_len)
 
 
-def build_speculative(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, options):
+def build_speculative(
+    model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options
+):
     """A drafter method: its folder (shipped or given) loaded and checked against the
     model, its tree chosen, the drafter specialised for that tree."""
     from jaxspec.drafters.store import check_weights, load_drafter
 
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
-    settings, drafter_params = load_drafter(drafter_dir, m.name, model.cfg)
-    try:
-        drafter = m.drafter_class().from_settings(model.cfg, settings, **options)
-    except (KeyError, TypeError, ValueError) as e:
-        raise JaxspecError(
-            f"the settings in {drafter_dir / 'drafter.json'} are incomplete or invalid "
-            f"({type(e).__name__}: {e}); retrain the drafter"
-        ) from None
+    settings, drafter_params, data = load_drafter(drafter_dir, m.name, model.cfg)
+    drafter = m.drafter_class().from_settings(model.cfg, settings, **options)
     check_weights(drafter, model.params, drafter_params, drafter_dir)
     drafter_params = compute_params(drafter_params, model.weight_dtype)
-    drafter_params = drafter.prepare(model.params, drafter_params, settings)
+    drafter_params = drafter.prepare(model.params, drafter_params, data)
     spec = drafter.select_tree(tree, settings)
-    drafter = drafter.for_tree(spec, settings, **options)
+    drafter = drafter.for_tree(spec, settings, data, **options)
     return SpeculativeGenerator(
-        model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len
-    )
+        model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len,
+        products=products,
+    )  # fmt: skip
 
 
 def build_generator(
@@ -119,15 +130,17 @@ def build_generator(
     tree: str | None = None,
     sampling: Sampling | None = None,
     max_len: int | None = None,
+    products: str = "exact",
     **options,
 ):
     """The generator of method `name`: drafter_dir None is the shipped drafter, tree None
-    the drafter's default; options are the method's own (`registry.Method.options`:
-    ppd_k, ppd_layer, firp_chains, sdsat_loop), None meaning its default."""
+    the drafter's default; products: how bfloat16 weights multiply (decode.PRODUCTS);
+    options are the method's own (`registry.Method.options`: ppd_k, ppd_layer, firp_chains,
+    sdsat_loop), None meaning its default."""
     m = method(name)
     check_options(m, tree, drafter_dir, **options)
     if sampling is not None:
         sampling.check_vocabulary(model.cfg.vocab_size)
     options = {k: v for k, v in options.items() if v is not None}
     drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
-    return m.load(m.builder)(model, m, drafter_dir, tree, sampling, max_len, options)
+    return m.load(m.builder)(model, m, drafter_dir, tree, sampling, max_len, products, options)

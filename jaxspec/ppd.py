@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from functools import partial
 
 import jax
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import LlamaConfig
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache
@@ -43,13 +45,22 @@ def early_logits(params, cfg: LlamaConfig, head, h: jax.Array) -> jax.Array:
     return lm_logits(params, cfg, h)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PpdSettings(DrafterSettings):
+    """`layers`: the early-prediction layers with a trained head; `default_layer`: the one
+    used when none is asked for (None: half the depth, rounded up)."""
+
+    layers: tuple[int, ...] = ()
+    default_layer: int | None = None
+
+
 def head_name(layer: int) -> str:
     """The key of layer's head in a PPD drafter's params (not a bare number: drafter files
     read all-digit keys back as list indices)."""
     return f"layer{layer}"
 
 
-def check_settings(cfg: LlamaConfig, k: int, layer: int, n_devices: int) -> None:
+def check_settings(cfg: LlamaConfig, k: int, layer: int) -> None:
     if not 1 <= layer < cfg.n_layers:
         raise JaxspecError(f"--ppd-layer must be in 1..{cfg.n_layers - 1}, got {layer}")
     if 2 * layer < cfg.n_layers:
@@ -59,11 +70,25 @@ def check_settings(cfg: LlamaConfig, k: int, layer: int, n_devices: int) -> None
         )
     if k < 1:
         raise JaxspecError(f"--ppd-k must be >= 1, got {k}")
-    if k + 1 > n_devices:
-        raise JaxspecError(
-            f"PPD with k={k} needs {k + 1} devices, {n_devices} found; on CPU run with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={k + 1} or lower --ppd-k"
-        )
+
+
+def place(devices: list, k: int) -> tuple[object, list]:
+    """-> (main device, the k sub-processes' devices): one device each when there are k + 1;
+    with fewer, the sub-processes share devices[1:] in turn (all of them devices[0] when it
+    is the only one), which computes the same tokens without the pipeline's parallelism,
+    and says so in a warning."""
+    if len(devices) > k:
+        return devices[0], devices[1 : k + 1]
+    warnings.warn(
+        f"PPD with k={k} runs its {k} sub-processes on {max(len(devices) - 1, 1)} shared "
+        f"device(s) ({len(devices)} found, {k + 1} wanted): the same tokens, without "
+        f"the pipeline's parallelism; on CPU set XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={k + 1} before jax starts",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    pool = devices[1:] or devices[:1]
+    return devices[0], [pool[j % len(pool)] for j in range(k)]
 
 
 @partial(jax.jit, static_argnames=("cfg", "start", "stop"))
@@ -122,7 +147,8 @@ class _Pipeline:
 
 
 class PpdGenerator:
-    """Greedy generation with PPD on devices[0] (main) and devices[1..k] (sub-processes).
+    """Greedy generation with PPD on devices[0] (main) and devices[1..k] (sub-processes;
+    shared when there are fewer, see `place`).
 
     Before a prompt bucket and cache length are first timed, every program of a generation
     (per device) is compiled and run once on throwaway inputs, as SpeculativeGenerator does:
@@ -134,17 +160,45 @@ class PpdGenerator:
                  max_len: int | None = None, devices=None):  # fmt: skip
         devices = list(devices or jax.devices())
         layer = layer if layer is not None else (cfg.n_layers + 1) // 2
-        check_settings(cfg, k, layer, len(devices))
+        check_settings(cfg, k, layer)
         self.cfg, self.k, self.layer, self.head = cfg, k, layer, head
         self.m = cfg.n_layers - layer
         self.max_len = max_len or cfg.max_position
-        self.main, self.subs = devices[0], devices[1 : k + 1]
+        self.main, self.subs = place(devices, k)
         self.params = jax.device_put(params, self.main)
         lower = {**params, "layers": params["layers"][: self.m]}
         self.sub_params = [jax.device_put(lower, d) for d in self.subs]
         self.head_main = None if head is None else jax.device_put(head, self.main)
         self.last_stats: PpdStats | None = None
         self._warm: set[tuple[int, int]] = set()  # (prompt bucket, cache length) run before
+
+    def lowerings(self, prompt_bucket: int, cache_len: int) -> dict[str, tuple]:
+        """The jitted programs of a generation with this prompt bucket and cache length ->
+        name: (program, arguments as ShapeDtypeStructs, static keywords), for lowering."""
+        cfg, m, dbar = self.cfg, self.m, self.layer
+        shape = lambda f, *a, **kw: jax.eval_shape(partial(f, **kw), *a)  # noqa: E731
+        cache = jax.eval_shape(lambda: init_cache(cfg, 1, cache_len))
+        sub_cfg = dataclasses.replace(cfg, n_layers=m)
+        sub_cache = jax.eval_shape(lambda: init_cache(sub_cfg, 1, cache_len))
+        tokens = jax.ShapeDtypeStruct((1, prompt_bucket), jnp.int32)
+        one = jax.ShapeDtypeStruct((1,), jnp.int32)
+        token, block = shape(_prefill, self.params, tokens, one, cfg=cfg)
+        h = shape(_embed_token, self.params, token, cfg=cfg)
+        lower = {**self.params, "layers": self.params["layers"][:m]}
+        layers = lambda p, c, a, b: (_layers, (p, c, h, one), dict(cfg=cfg, start=a, stop=b))  # noqa: E731
+        return {
+            "prefill": (_prefill, (self.params, tokens, one), dict(cfg=cfg)),
+            "commit_prompt": (commit, (cache, block, one), {}),
+            "embed": (_embed_token, (self.params, token), dict(cfg=cfg)),
+            "layers_to_early_exit": layers(self.params, cache, 0, dbar),
+            "layers_from_handover": layers(self.params, cache, m, dbar),
+            "layers_after_early_exit": layers(self.params, cache, dbar, cfg.n_layers),
+            "sub_process_layers": layers(lower, sub_cache, 0, m),
+            "early_top": (_early_top, (self.params, self.head, h), dict(cfg=cfg, k=self.k)),
+            "next_token": (_next_token, (self.params, h), dict(cfg=cfg)),
+            "commit_round": (commit, (cache, shape(_layers, self.params, cache, h, one, cfg=cfg,
+                                                   start=0, stop=cfg.n_layers)[1], one), {}),
+        }  # fmt: skip
 
     def _start(self, tokens: np.ndarray, length: int, S: int) -> _Pipeline:
         """Prefill tokens [1,P] (the first `length` real) into S-slot caches."""

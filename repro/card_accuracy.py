@@ -38,16 +38,18 @@ def rounded(rows) -> list:
 
 def medusa_accuracy(model, root: Path) -> dict:
     """top-1..5 per head [K,5], targets the base model's greedy tokens."""
-    settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / "medusa", "medusa", model.cfg)
-    drafter = MedusaDrafter(model.cfg, settings["n_heads"])
+    settings, params, _ = load_drafter(
+        DRAFTERS_DIR / model.cfg.name / "medusa", "medusa", model.cfg
+    )
+    drafter = MedusaDrafter(model.cfg, settings.n_heads)
     test = answer_features(model, root, "test", TEST_SEQS["medusa"], PROMPT_LEN, NEW_TOKENS)
     return {"top1_5_per_head": rounded(medusa.evaluate(drafter, model.params, params, test, "kl"))}
 
 
 def firp_accuracy(model, root: Path) -> dict:
     """top-1..5 per FIRP step [K,5] on the trainer's fixed test anchors."""
-    settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
-    layers = tuple(settings["layers"])
+    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
+    layers = settings.layers
     cache = firp.real_pass(model, root / "firp", "test", TEST_SEQS["firp"], PROMPT_LEN,
                            NEW_TOKENS, layers)  # fmt: skip
     accuracy = firp.evaluate(model, params["maps"], layers, cache)
@@ -56,9 +58,9 @@ def firp_accuracy(model, root: Path) -> dict:
 
 def ppd_accuracy(model, root: Path) -> dict:
     """p_correct at top-1/3/5 per layer, untrained and trained."""
-    settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / "ppd", "ppd", model.cfg)
+    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "ppd", "ppd", model.cfg)
     answers = self_answers(model, root, "test", TEST_SEQS["ppd"], PROMPT_LEN, NEW_TOKENS)
-    return ppd.evaluate(model, params["heads"], answers, tuple(settings["layers"]))
+    return ppd.evaluate(model, params["heads"], answers, settings.layers)
 
 
 MEASURE = {"medusa": medusa_accuracy, "firp": firp_accuracy, "ppd": ppd_accuracy}

@@ -65,7 +65,7 @@ def parse_args(argv=None):
 def shipped(model, method, for_generation=True):
     """The shipped drafter; for generation as `jaxspec-generate` uses it (with its draft
     vocabulary, if any), else with the weights alone (accuracy over the whole vocabulary)."""
-    settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
     drafter = make_drafter(method, model.cfg, settings)
     if for_generation:
         params = drafter.prepare(model.params, params, settings)
@@ -147,14 +147,14 @@ def part_timeshare(args, model) -> dict:
     from jaxspec.tree import TreeSpec
 
     chimera, params = shipped(model, "chimera")
-    settings, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg)
+    settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg)[0]
     prompt = encode_prompt(model.tokenizer, "Explain how a bicycle gear works.")
     ar = SpeculativeGenerator(model.cfg, model.params)
     ar.generate(prompt, 8)
     runs = [ar.generate(prompt, args.repeats) for _ in range(3)]
     result = {"ar_ms_per_step": round(min(r.decode_s / (r.steps - 1) for r in runs) * 1e3, 2)}
     for tree_name in ("chain-1", "searched-8", "searched-16"):
-        paths = settings["trees"].get(tree_name, [[0]])
+        paths = settings.trees.get(tree_name, [[0]])
         tree = TreeSpec.from_paths(paths)
         times = {}
         for label, drafter, dparams in (("step", chimera, params), ("verify", NoDrafter(), None)):
@@ -188,7 +188,9 @@ def part_cache(args, model) -> dict:
         encode_prompt(model.tokenizer, q.turns[0])
         for q in select_questions(load_questions(args.questions), None, 1)
     ]
-    settings, raw = load_drafter(DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg)
+    settings, raw, data = load_drafter(
+        DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg
+    )
     chimera = make_drafter("chimera", model.cfg, settings)
     train_f = answer_features(model, jaxspec_home() / "train" / model.cfg.name, "train",
                               args.train_seqs, 128, 192)  # fmt: skip
@@ -197,7 +199,7 @@ def part_cache(args, model) -> dict:
     for size, prefill in ((0, 0), (4096, 0), (65536, 0), (4096, 4096), (65536, 65536)):
         drafter = dataclasses.replace(chimera, cache_size=size)
         params = drafter.prepare(
-            model.params, raw, {**settings, "cache_prefill": frequent[:prefill]}
+            model.params, raw, {**data, "cache_prefill": np.asarray(frequent[:prefill])}
         )
         gen = SpeculativeGenerator(model.cfg, model.params, drafter, params, tree_preset("chain-1"))
         gen.generate(prompts[0], 8)  # compile and warm up
@@ -222,8 +224,8 @@ def part_bound(args, model) -> dict:
     if not path.is_file():
         raise SystemExit(f"the bound part reads {path}: run the accuracy part first")
     accuracy = json.loads(path.read_text())
-    firp_settings, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
-    accuracy["firp"] = firp_settings["test_topk_accuracy"]
+    firp = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
+    accuracy["firp"] = firp.data["test_topk_accuracy"].tolist()
     result = {}
     for name, topk in accuracy.items():
         depth, k = np.shape(topk)

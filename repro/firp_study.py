@@ -88,7 +88,7 @@ def test_pass(model, args, layers):
 
 
 def shipped(model, method):
-    settings, params = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
     return make_drafter(method, model.cfg, settings), params
 
 
@@ -281,14 +281,15 @@ def part_sizes(args, model) -> dict:
 
     from jaxspec.drafters.firp import FirpDrafter
     from jaxspec.drafters.medusa import MedusaDrafter
+    from jaxspec.drafters.settings import DrafterSettings
     from jaxspec.drafters.store import WEIGHTS, save_drafter
 
     firp_settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)[0]
     medusa_settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "medusa", "medusa", model.cfg)[0]
-    heads = medusa_settings["n_heads"]
+    heads = medusa_settings.n_heads
     kinds = {
-        f"firp ({len(firp_settings['layers'])} maps)": FirpDrafter(
-            model.cfg, tuple(firp_settings["layers"])
+        f"firp ({len(firp_settings.layers)} maps)": FirpDrafter(
+            model.cfg, firp_settings.layers
         ).init(),
         f"medusa, paper ({heads} heads, own vocabulary projections)": MedusaDrafter(
             model.cfg, heads, own_lm_head=True
@@ -301,7 +302,7 @@ def part_sizes(args, model) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         for name, params in kinds.items():
             folder = Path(scratch) / str(len(result["built"]))
-            save_drafter(folder, "size", {}, params, model.cfg, "")
+            save_drafter(folder, "size", DrafterSettings(), params, model.cfg, "")
             result["built"][name] = {
                 "parameters": sum(int(np.size(x)) for x in jax.tree.leaves(params)),
                 "file_bytes": (folder / WEIGHTS).stat().st_size,

@@ -118,11 +118,11 @@ def part_trees(args, model) -> dict:
     from train import sdsat as sdsat_train
     from train.features import self_answers
 
-    settings, dparams = load_drafter(DRAFTERS_DIR / model.cfg.name / "sdsat", "sdsat", model.cfg)
+    settings, dparams, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "sdsat", "sdsat", model.cfg)
     drafter = make_drafter("sdsat", model.cfg, settings)
     root = jaxspec_home() / "train" / model.cfg.name
     test = self_answers(model, root, "test", 40, 128, 192)
-    evaluation = sdsat_train.evaluate(drafter, model.params, dparams, test, settings["window"])
+    evaluation = sdsat_train.evaluate(drafter, model.params, dparams, test, settings.window)
     trees = sdsat_train.sdsat_trees(evaluation["topk_per_depth"])
     plot_topk({"sdsat": evaluation["topk_per_depth"]}, ["sdsat"], args.out / "trees.png", "depth")
     return {**evaluation, "trees": trees}

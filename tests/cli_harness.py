@@ -25,10 +25,10 @@ TOOLS = {
 }
 # The function each console script calls (pyproject.toml's [project.scripts]).
 MAINS = {
-    "generate": "infer.generate",
-    "bench": "infer.bench",
-    "convert": "checkpoints_convert.cli",
-    "train": "train.cli",
+    "generate": "jaxspec.tools.infer.generate",
+    "bench": "jaxspec.tools.infer.bench",
+    "convert": "jaxspec.tools.checkpoints_convert.cli",
+    "train": "jaxspec.tools.train.cli",
 }
 
 

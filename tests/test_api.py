@@ -17,7 +17,12 @@ import pytest
 
 import jaxspec
 from jaxspec.checkpoint import load_checkpoint
+from jaxspec.drafters.chimera import ChimeraSettings
+from jaxspec.drafters.firp import FirpSettings
+from jaxspec.drafters.medusa import MedusaSettings
+from jaxspec.drafters.sdsat import SdsatSettings
 from jaxspec.drafters.store import save_drafter
+from jaxspec.ppd import PpdSettings
 from tests.conftest import save_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,10 +35,10 @@ TREE = "comb-2-10"
 
 # Each method's settings for an untrained drafter on the tiny model (as tests/test_bad_inputs).
 SETTINGS = {
-    "medusa": {"n_heads": 2},
-    "firp": {"layers": [1, 2]},
-    "chimera": {"n_heads": 2},
-    "sdsat": {"rank": 2},
+    "medusa": MedusaSettings(n_heads=2),
+    "firp": FirpSettings(layers=(1, 2)),
+    "chimera": ChimeraSettings(n_heads=2),
+    "sdsat": SdsatSettings(rank=2),
 }
 PUBLIC = ["load_model", "load_drafter", "Generator", "GenerationResult", "TreeSpec", "Sampling",
           "JaxspecError", "METHODS"]  # fmt: skip
@@ -51,8 +56,8 @@ def write_drafters(ckpt: Path, folder: Path) -> Path:
     rng = np.random.default_rng(0)
     head = {"w": 0.05 * rng.standard_normal((cfg.dim, cfg.dim)).astype(np.float32),
             "b": np.zeros(cfg.dim, np.float32)}  # fmt: skip
-    save_drafter(folder / "ppd", "ppd", {"default_layer": 1}, {"heads": {"layer1": head}}, cfg,
-                 "untrained")  # fmt: skip
+    save_drafter(folder / "ppd", "ppd", PpdSettings(default_layer=1), {"heads": {"layer1": head}},
+                 cfg, "untrained")  # fmt: skip
     return folder
 
 
@@ -230,8 +235,8 @@ def test_bad_prompts_are_refused(prompt, message, generators):
 
 
 def test_load_drafter(model, drafters):
-    settings, params = jaxspec.load_drafter(model, "medusa", drafters / "medusa")
-    assert settings["n_heads"] == 2
+    settings, params, data = jaxspec.load_drafter(model, "medusa", drafters / "medusa")
+    assert settings == SETTINGS["medusa"] and data == {}
     heads = params["heads"] if isinstance(params, dict) else params
     assert [h["w"].shape for h in heads] == [(model.cfg.dim, model.cfg.dim)] * 2
     for bad, message in [("ar", "no drafter"), ("eagle", "unknown")]:

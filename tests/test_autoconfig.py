@@ -14,7 +14,7 @@ import pytest
 
 from jaxspec import autoconfig
 from jaxspec.checkpoint import load_checkpoint
-from jaxspec.drafters.medusa import MedusaDrafter
+from jaxspec.drafters.medusa import MedusaDrafter, MedusaSettings
 from jaxspec.drafters.store import META, save_drafter
 
 LABELS = {"float32 ar", "bfloat16 ar", "float32 medusa@chain-1", "bfloat16 medusa@chain-1"}
@@ -28,7 +28,7 @@ def setup(tiny_ckpt, tmp_path, monkeypatch):
     cfg, params = load_checkpoint(ckpt)
     folder = tmp_path / "drafters" / cfg.name / "medusa"
     heads = MedusaDrafter(cfg, 2).init(params, jax.random.key(0))
-    save_drafter(folder, "medusa", {"n_heads": 2}, heads, cfg, "untrained")
+    save_drafter(folder, "medusa", MedusaSettings(n_heads=2), heads, cfg, "untrained")
     monkeypatch.setenv("JAXSPEC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(autoconfig, "NEW_TOKENS", 16)
     built, lines = [], []

@@ -16,7 +16,12 @@ import pytest
 
 from jaxspec.checkpoint import CONFIG_FILE, load_checkpoint
 from jaxspec.cli import run_main
+from jaxspec.drafters.chimera import ChimeraSettings
+from jaxspec.drafters.firp import FirpSettings
+from jaxspec.drafters.medusa import MedusaSettings
+from jaxspec.drafters.sdsat import SdsatSettings
 from jaxspec.drafters.store import META, WEIGHTS, save_drafter
+from jaxspec.ppd import PpdSettings
 from tests.cli_harness import Case, run_case
 
 PROMPT = "w5 w9 w7"
@@ -54,10 +59,10 @@ def bench(*args):
 # -- drafters that do not fit: each method's init, then one tensor dropped or misshapen --
 
 SETTINGS = {
-    "medusa": {"n_heads": 2},
-    "firp": {"layers": [1, 2]},
-    "chimera": {"n_heads": 2},
-    "sdsat": {"rank": 2},
+    "medusa": MedusaSettings(n_heads=2),
+    "firp": FirpSettings(layers=(1, 2)),
+    "chimera": ChimeraSettings(n_heads=2),
+    "sdsat": SdsatSettings(rank=2),
 }
 
 
@@ -96,8 +101,10 @@ def bad_drafter(method: str, damage: str):
 def settings_without(key: str):
     def setup(folder: Path, ckpt: Path) -> None:
         cfg, params = _initial_drafter("medusa", ckpt)
-        settings = {k: v for k, v in SETTINGS["medusa"].items() if k != key}
-        save_drafter(folder / "d", "medusa", settings, params, cfg, "card")
+        save_drafter(folder / "d", "medusa", SETTINGS["medusa"], params, cfg, "card")
+        meta = json.loads((folder / "d" / META).read_text())
+        del meta["settings"][key]
+        (folder / "d" / META).write_text(json.dumps(meta))
 
     return setup
 
@@ -105,7 +112,7 @@ def settings_without(key: str):
 def bad_ppd_heads(folder: Path, ckpt: Path) -> None:
     cfg, _ = load_checkpoint(ckpt)
     heads = {"layer1": {"w": np.zeros((cfg.dim, 3), np.float32), "b": np.zeros(cfg.dim)}}
-    save_drafter(folder / "d", "ppd", {"default_layer": 1}, {"heads": heads}, cfg, "card")
+    save_drafter(folder / "d", "ppd", PpdSettings(default_layer=1), {"heads": heads}, cfg, "card")
 
 
 def drafter_files(meta: str):
@@ -198,7 +205,7 @@ CASES = [
         "drafter-settings-incomplete",
         "generate",
         with_drafter("medusa"),
-        "incomplete or invalid (KeyError: 'n_heads')",
+        "settings do not fit MedusaSettings (missing n_heads)",
         settings_without("n_heads"),
     ),
     *[

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from jaxspec.checkpoint import load_checkpoint
-from jaxspec.drafters.medusa import MedusaDrafter
+from jaxspec.drafters.medusa import MedusaDrafter, MedusaSettings
 from jaxspec.drafters.store import save_drafter
 from tests.cli_harness import Case, run_case
 
@@ -24,7 +24,7 @@ def medusa(n_heads: int):
     def setup(folder: Path, ckpt: Path) -> None:
         cfg, params = load_checkpoint(ckpt)
         heads = MedusaDrafter(cfg, n_heads).init(params, jax.random.key(0))
-        save_drafter(folder / "d", "medusa", {"n_heads": n_heads}, heads, cfg, "card")
+        save_drafter(folder / "d", "medusa", MedusaSettings(n_heads=n_heads), heads, cfg, "card")
 
     return setup
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec.chains import chain_mask, joint_mask, pseudo_positions
 from jaxspec.decode import SpeculativeGenerator
-from jaxspec.drafters.firp import FirpDrafter, training_forward
+from jaxspec.drafters.firp import FirpDrafter, FirpSettings, training_forward
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, init_params, run_layers
@@ -203,16 +203,16 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "firp" and meta["settings"]["layers"] == [1, 2]
     model = load_model(ckpt)
-    settings, dparams = load_drafter(out, "firp", model.cfg)
+    settings, dparams, data = load_drafter(out, "firp", model.cfg)
     drafter = make_drafter("firp", model.cfg, settings)
     prompt = [5, 9, 11, 30, 7]
     ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
     spec = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, tree_preset("chain-2"))
     assert spec.generate(prompt, 24).token_ids == ar
     # Its measured accuracies place chains on the likeliest nodes of its own trees.
-    assert settings["test_topk_accuracy"] == second["test_topk_accuracy"]
-    tree = TreeSpec.from_paths(settings["trees"]["searched-8"])
-    sparse = drafter.for_tree(tree, settings, firp_chains=3)
+    assert data["test_topk_accuracy"].tolist() == second["test_topk_accuracy"]
+    tree = TreeSpec.from_paths(settings.trees["searched-8"])
+    sparse = drafter.for_tree(tree, settings, data, firp_chains=3)
     assert len(sparse.chain_nodes) == 3
     spec = SpeculativeGenerator(model.cfg, model.params, sparse, dparams, tree)
     assert spec.generate(prompt, 24).token_ids == ar
@@ -263,11 +263,12 @@ def test_projecting_drafts_with_the_verify_rows_changes_nothing(tree_name):
 
 def test_chain_placement_options():
     drafter, tree = FirpDrafter(tiny()[0], (1, 2)), tree_preset("cpu-8")
-    assert drafter.for_tree(tree, {}, firp_chains=None) is drafter  # default: every node
+    plain = FirpSettings(layers=(1, 2))
+    assert drafter.for_tree(tree, plain, {}, firp_chains=None) is drafter  # every node
     with pytest.raises(JaxspecError, match="no measured accuracies"):
-        drafter.for_tree(tree, {}, firp_chains=3)
+        drafter.for_tree(tree, plain, {}, firp_chains=3)
     with pytest.raises(JaxspecError, match="must be >= 0"):
-        drafter.for_tree(tree, {}, firp_chains=-1)
-    settings = {"chains": 3, "test_topk_accuracy": ACCURACY}
-    assert len(drafter.for_tree(tree, settings, firp_chains=None).chain_nodes) == 3
-    assert drafter.for_tree(tree, settings, firp_chains=0) is drafter
+        drafter.for_tree(tree, plain, {}, firp_chains=-1)
+    settings, data = FirpSettings(layers=(1, 2), chains=3), {"test_topk_accuracy": ACCURACY}
+    assert len(drafter.for_tree(tree, settings, data, firp_chains=None).chain_nodes) == 3
+    assert drafter.for_tree(tree, settings, data, firp_chains=0) is drafter

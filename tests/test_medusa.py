@@ -12,6 +12,7 @@ import pytest
 
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import load_drafter, save_drafter
 from jaxspec.errors import JaxspecError
@@ -89,8 +90,8 @@ def test_init_starts_from_a_trained_drafter(trained, tmp_path):
     common = [*tiny_training_args(ckpt, tmp_path, train_seqs=10, batch=32, lr=0),
               "--seq-len", "64", "--steps", "1", "--init", str(out), "--overwrite"]  # fmt: skip
     medusa.train([*common, "--heads", "3"])
-    _, start = load_drafter(out, "medusa", cfg)
-    _, after = load_drafter(tmp_path / "out", "medusa", cfg)
+    start = load_drafter(out, "medusa", cfg).params
+    after = load_drafter(tmp_path / "out", "medusa", cfg).params
     assert float(jnp.abs(start["heads"][0]["w"]).max()) > 0
     jax.tree.map(np.testing.assert_array_equal, after, start)
     card = (tmp_path / "out" / "CARD.md").read_text()
@@ -113,8 +114,8 @@ def test_self_data_is_the_models_greedy_answer(trained):
 def test_trained_medusa_is_lossless(trained):
     out, _, _, ckpt = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)
-    settings, dparams = load_drafter(out, "medusa", cfg)
-    drafter = MedusaDrafter(cfg, settings["n_heads"])
+    settings, dparams, _ = load_drafter(out, "medusa", cfg)
+    drafter = MedusaDrafter(cfg, settings.n_heads)
     prompt = [5, 9, 11, 30, 7]
     ar = SpeculativeGenerator(cfg, params).generate(prompt, 30).token_ids
     for tree in ("chain-4", "cpu-8", "cpu-16"):
@@ -155,7 +156,7 @@ def test_drafter_errors(trained, tmp_path):
     (tmp_path / "corrupt" / "drafter.safetensors").write_bytes(b"garbage")
     with pytest.raises(JaxspecError, match="corrupt drafter weights"):
         load_drafter(tmp_path / "corrupt", "medusa", cfg)
-    save_drafter(tmp_path / "firp", "firp", {}, {"w": np.zeros(2)}, cfg, "card")
+    save_drafter(tmp_path / "firp", "firp", FirpSettings(layers=(1,)), {"w": np.zeros(2)}, cfg, "")
     with pytest.raises(JaxspecError, match="holds a 'firp' drafter"):
         load_drafter(tmp_path / "firp", "medusa", cfg)
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator, redraft
-from jaxspec.drafters.sdsat import SdsatDrafter
+from jaxspec.drafters.sdsat import SdsatDrafter, SdsatSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import embed, forward, lm_logits, run_layers
@@ -184,8 +184,8 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     assert min(second["accepted_per_step"].values()) >= 1.0
     assert len(second["test"]["top1_per_depth"]) == 3 and second["test"]["spans"] > 0
     model = load_model(ckpt)
-    settings, dparams = load_drafter(out, "sdsat", model.cfg)
-    assert settings["n_ids"] == 2 and dparams["embed"].shape == (2, model.cfg.dim)
+    settings, dparams, _ = load_drafter(out, "sdsat", model.cfg)
+    assert settings.n_ids == 2 and dparams["embed"].shape == (2, model.cfg.dim)
     prompt = [5, 9, 11, 30, 7]
     ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
     gen = build_generator(model, "sdsat", out)
@@ -194,7 +194,7 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     topk = np.array(second["test"]["topk_per_depth"])  # [3,5]: cumulative top-1..5
     assert topk.shape == (3, 5) and np.all(np.diff(topk, axis=1) >= 0)
     np.testing.assert_allclose(topk[:, 0], second["test"]["top1_per_depth"])
-    for name, paths in settings["trees"].items():  # depth 1 is the model's own: rank 0 only
+    for name, paths in settings.trees.items():  # depth 1 is the model's own: rank 0 only
         assert TreeSpec.from_paths(paths).n_nodes <= int(name.split("-")[1])
         assert [p for p in paths if len(p) == 1] == [[0]]
         gen = build_generator(model, "sdsat", out, tree=name)
@@ -217,8 +217,8 @@ def test_init_starts_from_a_trained_sdsat_adapter(trained_sdsat, tmp_path):
               "--ids", "2", "--steps", "2", "--init", str(out), "--overwrite"]  # fmt: skip
     train_on_made_up_conversations(sdsat, [*common, "--rank", "2"])
     cfg = load_checkpoint(ckpt)[0]
-    _, start = load_drafter(out, "sdsat", cfg)
-    _, after = load_drafter(tmp_path / "out", "sdsat", cfg)
+    start = load_drafter(out, "sdsat", cfg).params
+    after = load_drafter(tmp_path / "out", "sdsat", cfg).params
     assert float(jnp.abs(start["lora"][0]["q_proj"]["b"]).max()) > 0
     jax.tree.map(np.testing.assert_array_equal, after, start)
     card = (tmp_path / "out" / "CARD.md").read_text()
@@ -256,9 +256,9 @@ def test_the_adaptive_vocabulary_round_trips_and_is_refused_for_another_model(tm
 
     cfg, params = tiny()
     drafter, dparams = random_sdsat(cfg, params, n_ids=3)
-    save_drafter(tmp_path, "sdsat", {"rank": 3, "n_ids": 3}, dparams, cfg, "card")
-    settings, loaded = load_drafter(tmp_path, "sdsat", cfg)
-    assert settings == {"rank": 3, "n_ids": 3}
+    save_drafter(tmp_path, "sdsat", SdsatSettings(rank=3, n_ids=3), dparams, cfg, "card")
+    settings, loaded, _ = load_drafter(tmp_path, "sdsat", cfg)
+    assert settings == SdsatSettings(rank=3, n_ids=3)
     for a, b in zip(jax.tree.leaves(dparams), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     other, _ = tiny("tiny-mqa", vocab=57)

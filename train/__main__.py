@@ -1,3 +1,3 @@
-from train.cli import main
+from .cli import main
 
 main()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.methods import build_generator, default_tree
 from jaxspec.outputs import write_text
 
@@ -20,13 +21,15 @@ def held_out_prompts(test: dict, n: int = PROMPTS) -> list[list[int]]:
     return [test["tokens"][i, : ends[i]].tolist() for i in range(min(n, len(ends)))]
 
 
-def trees_to_measure(settings: dict) -> list[str]:
+def trees_to_measure(settings: DrafterSettings) -> list[str]:
     """The drafter's default tree and the largest tree searched for it."""
-    own = sorted(settings.get("trees", {}), key=lambda name: len(settings["trees"][name]))
+    own = sorted(settings.trees, key=lambda name: len(settings.trees[name]))
     return list(dict.fromkeys([default_tree(settings), *own[-1:]]))
 
 
-def measure_acceptance(model, method: str, drafter_dir: Path, settings: dict, test: dict):
+def measure_acceptance(
+    model, method: str, drafter_dir: Path, settings: DrafterSettings, test: dict
+):
     """-> {tree: mean accepted tokens per step}, greedy, NEW_TOKENS per prompt; the
     measurement is appended to drafter_dir/CARD.md."""
     prompts = held_out_prompts(test)

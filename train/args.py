@@ -12,7 +12,8 @@ from pathlib import Path
 from jaxspec.checkpoint import default_model_dir, jaxspec_home
 from jaxspec.cli import ArgumentParser, nonnegative_float, positive_int, seed
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
-from train.checkpoints import run_name
+
+from .checkpoints import run_name
 
 
 def int_list(text: str) -> str:

@@ -75,7 +75,7 @@ def initial_params(args, method: str, cfg, fresh):
     which must have the same structure and shapes (same heads, n-gram size, ...)."""
     if getattr(args, "init", None) is None:
         return fresh
-    _, loaded = load_drafter(args.init, method, cfg)
+    loaded = load_drafter(args.init, method, cfg).params
     same = jax.tree.structure(loaded) == jax.tree.structure(fresh) and jax.tree.all(
         jax.tree.map(lambda a, b: a.shape == b.shape, loaded, fresh)
     )

@@ -17,41 +17,29 @@ heads on a frozen base model (paper §3.3).
 
 from __future__ import annotations
 
-import json
-import time
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
-from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import nonnegative_float, nonnegative_int, positive_float, positive_int
 from jaxspec.drafters.chimera import (
     BOTTOMS,
     ChimeraDrafter,
+    ChimeraSettings,
     encoder_outputs,
     training_logits,
 )
-from jaxspec.drafters.store import save_drafter
 from jaxspec.llama import final_norm, lm_logits
-from jaxspec.models import load_model
 from jaxspec.tree import searched_trees
-from train.acceptance import measure_acceptance
-from train.args import default_out, parse, trainer_parser, training_run
-from train.checkpoints import (
-    command_flags,
-    initial_params,
-    resume_training,
-    run_record,
-    save,
-    started_from,
-)
-from train.features import answer_features
-from train.optim import apply_grads
+
+from . import skeleton
+from .args import parse, trainer_parser
+from .checkpoints import command_flags, started_from
+from .optim import apply_grads
+from .skeleton import Result, Trainer
 
 
 def parse_args(argv):
@@ -196,93 +184,78 @@ def evaluate(drafter, base, params, features) -> np.ndarray:
     return hits / total
 
 
-def train(argv) -> dict:
-    args = parse_args(argv)
-    model = load_model(args.model)
-    work = args.work_dir or jaxspec_home() / "train" / model.cfg.name / "chimera"
-    with training_run(args, work, default_out(args, "chimera", model.cfg.name)) as out:
-        return _train(args, model, work, out)
+class Chimera(Trainer):
+    method = "chimera"
 
-
-def _train(args, model, work: Path, out: Path) -> dict:
-    """Features (in --work-dir, else shared beside `work`), training and evaluation; the
-    drafter and its card in `out`."""
-    cfg = model.cfg
-    start_time = time.perf_counter()
-    feature_root = args.work_dir or work.parent
-    train_f = answer_features(
-        model, feature_root, "train", args.train_seqs, args.prompt_len, args.new_tokens
-    )
-    test_f = answer_features(
-        model, feature_root, "test", args.test_seqs, args.prompt_len, args.new_tokens
-    )
-
-    drafter = ChimeraDrafter(
-        cfg, args.heads, args.ngram, not args.no_residual, full_heads=args.full_heads,
-        bottom=args.bottom,
-    )  # fmt: skip
-    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
-    params = initial_params(args, "chimera", cfg, drafter.init(model.params))
-    manager, state = resume_training(work, args, params, optimizer)
-    weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
-    first_step = int(state["step"])
-    bar = tqdm(range(first_step, args.steps), desc="train chimera", unit="step")
-    losses, mse = jnp.zeros(args.heads), jnp.float32(0)
-    for step in bar:
-        rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
-        seqs = rng.integers(0, len(train_f["tokens"]), args.batch)
-        rows = sample_rows(train_f, seqs, args.rows, args.heads, rng)
-        state, (losses, mse) = train_step(
-            state, model.params, *batch_arrays(train_f, seqs, rows, args.targets), weights,
-            drafter=drafter, optimizer=optimizer, targets=args.targets, distill=args.distill,
+    def prepare(self) -> None:
+        """Features (in the shared training folder) and the drafter."""
+        args = self.args
+        self.train_f, self.test_f = self.answers(features=True)
+        self.drafter = ChimeraDrafter(
+            self.cfg, args.heads, args.ngram, not args.no_residual, full_heads=args.full_heads,
+            bottom=args.bottom,
         )  # fmt: skip
-        if (step + 1) % 10 == 0:
-            shown = " ".join(f"{x:.2f}" for x in np.asarray(losses))
-            bar.set_postfix(loss=shown, **({"mse": f"{float(mse):.3f}"} if args.distill else {}))
-        save(manager, step + 1, state, last=step + 1 == args.steps)
-    manager.wait_until_finished()
-    record = run_record(work, args)
-    if first_step < args.steps:  # this invocation trained: record what it measured
-        minutes = (time.perf_counter() - start_time) / 60 + record.get("train_minutes", 0.0)
-        record = run_record(work, args, {
-            "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
-            "final_distill_mse": round(float(mse), 4),
-            "train_minutes": round(minutes, 1),
-        })  # fmt: skip
+        self.weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
 
-    accuracy = evaluate(drafter, model.params, state["params"], test_f)
-    settings = {
-        "n_heads": args.heads,
-        "ngram": args.ngram,
-        "residual": not args.no_residual,
-        "full_heads": args.full_heads,
-        "bottom": args.bottom,
-        "trees": searched_trees(accuracy),
-    }
-    coverage = None
-    if args.draft_vocab:
-        vocab = frequent_tokens(train_f, args.draft_vocab, tuple(cfg.eos_token_ids))
-        settings["draft_vocab"] = vocab
-        test_tokens = np.concatenate([
-            test_f["tokens"][n, s:length]
-            for n, (s, length) in enumerate(zip(test_f["starts"], test_f["lengths"], strict=True))
-        ])  # fmt: skip
-        coverage = round(float(np.isin(test_tokens, vocab).mean()), 4)
-    if args.cache_prefill and args.bottom == "ngram":
-        settings["cache_prefill"] = frequent_ngrams(train_f, args.ngram, args.cache_prefill)
-    report = {
-        "steps": int(state["step"]),
-        **record,
-        "draft_vocab_test_coverage": coverage,
-        "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
-    }
-    params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
-    save_drafter(out, "chimera", settings, params16, cfg, card(args, cfg, report))
-    if args.bottom == "ngram":  # the transformer-bottom ablation cannot draft
-        report["accepted_per_step"] = measure_acceptance(model, "chimera", out, settings, test_f)
-    print(json.dumps(report, indent=2))
-    print(f"wrote the drafter to {out}")
-    return report
+    def fresh(self):
+        return self.drafter.init(self.model.params)
+
+    def step(self, state, step):
+        args = self.args
+        rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
+        seqs = rng.integers(0, len(self.train_f["tokens"]), args.batch)
+        rows = sample_rows(self.train_f, seqs, args.rows, args.heads, rng)
+        return train_step(
+            state, self.model.params, *batch_arrays(self.train_f, seqs, rows, args.targets),
+            self.weights, drafter=self.drafter, optimizer=self.optimizer, targets=args.targets,
+            distill=args.distill,
+        )  # fmt: skip
+
+    def shown(self, aux):
+        losses, mse = aux
+        shown = {"loss": " ".join(f"{x:.2f}" for x in np.asarray(losses))}
+        return {**shown, **({"mse": f"{float(mse):.3f}"} if self.args.distill else {})}
+
+    def finish(self, state, aux) -> Result:
+        """Evaluation; settings with the searched trees, the draft vocabulary and the
+        trigram cache's pre-fill; weights in float16."""
+        args, cfg, train_f, test_f = self.args, self.cfg, self.train_f, self.test_f
+        record = self.record(lambda: {
+            "final_loss_per_head": [round(float(x), 4) for x in np.asarray(aux[0])],
+            "final_distill_mse": round(float(aux[1]), 4),
+        })  # fmt: skip
+        accuracy = evaluate(self.drafter, self.model.params, state["params"], test_f)
+        settings = ChimeraSettings(
+            n_heads=args.heads, ngram=args.ngram, residual=not args.no_residual,
+            full_heads=args.full_heads, bottom=args.bottom, trees=searched_trees(accuracy),
+        )  # fmt: skip
+        coverage, data = None, {}
+        if args.draft_vocab:
+            vocab = frequent_tokens(train_f, args.draft_vocab, tuple(cfg.eos_token_ids))
+            data["draft_vocab"] = np.asarray(vocab, np.int32)
+            test_tokens = np.concatenate([
+                test_f["tokens"][n, s:length]
+                for n, (s, length) in enumerate(zip(test_f["starts"], test_f["lengths"],
+                                                    strict=True))
+            ])  # fmt: skip
+            coverage = round(float(np.isin(test_tokens, vocab).mean()), 4)
+        if args.cache_prefill and args.bottom == "ngram":
+            grams = frequent_ngrams(train_f, args.ngram, args.cache_prefill)
+            data["cache_prefill"] = np.asarray(grams, np.int32).reshape(-1, args.ngram)
+        report = {
+            "steps": int(state["step"]),
+            **record,
+            "draft_vocab_test_coverage": coverage,
+            "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
+        }
+        params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
+        drafts = args.bottom == "ngram"  # the transformer-bottom ablation cannot draft
+        return Result(report, settings, params16, card(args, cfg, report),
+                      test_f if drafts else None, data)  # fmt: skip
+
+
+def train(argv) -> dict:
+    return skeleton.train(Chimera, parse_args(argv))
 
 
 def card(args, cfg, report) -> str:

@@ -7,8 +7,9 @@ import importlib
 from jaxspec.cli import ArgumentParser, run_main
 from jaxspec.errors import JaxspecError
 
-# method name -> module whose main(argv) trains it (imported only when chosen)
-TRAINERS = {name: f"train.{name}" for name in ("medusa", "firp", "chimera", "sdsat", "ppd")}
+# the methods, each trained by main(argv) of this package's module of that name (imported
+# only when chosen)
+TRAINERS = ("medusa", "firp", "chimera", "sdsat", "ppd")
 
 
 def _main(argv) -> None:
@@ -25,7 +26,7 @@ def _main(argv) -> None:
         raise JaxspecError(
             f"no trainer for method {args.method!r} (available: {', '.join(TRAINERS)})"
         )
-    importlib.import_module(TRAINERS[args.method]).main(rest)
+    importlib.import_module(f".{args.method}", __package__).main(rest)
 
 
 def main(argv=None) -> None:

@@ -17,7 +17,8 @@ from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.outputs import load_npz, save_npz
-from train.selfdata import generate_answers
+
+from .selfdata import generate_answers
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
 

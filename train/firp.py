@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import time
 from functools import partial
 from pathlib import Path
 
@@ -27,20 +26,25 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import positive_int
 from jaxspec.data.sources import split_tag
-from jaxspec.drafters.firp import FirpDrafter, apply_map, pseudo_forward, real_context
-from jaxspec.drafters.store import save_drafter
+from jaxspec.drafters.firp import (
+    FirpDrafter,
+    FirpSettings,
+    apply_map,
+    pseudo_forward,
+    real_context,
+)
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import lm_logits
-from jaxspec.models import load_model
 from jaxspec.outputs import write_text
 from jaxspec.tree import searched_trees
-from train.acceptance import measure_acceptance
-from train.args import default_out, int_list, parse, trainer_parser, training_run
-from train.checkpoints import command_flags, load_json, resume, save
-from train.features import self_answers
+
+from . import skeleton
+from .args import int_list, parse, trainer_parser
+from .checkpoints import command_flags, load_json, resume, save
+from .features import self_answers
+from .skeleton import Result, Trainer
 
 
 def default_layers(n_layers: int) -> tuple[int, ...]:
@@ -243,107 +247,119 @@ def real_pass(model, work: Path, split: str, n: int, prompt_len: int, new_tokens
     return RealPassCache(model, answers, layers, work / f"pass-{name}")
 
 
-def train(argv) -> dict:
-    args = parse_args(argv)
-    model = load_model(args.model)
-    cfg = model.cfg
-    layers = parse_layers(args.layers, cfg.n_layers)
-    drafter = FirpDrafter(cfg, layers)  # validates the layers
-    pass_layers = parse_layers(args.pass_layers, cfg.n_layers) if args.pass_layers else layers
-    FirpDrafter(cfg, pass_layers)  # and these
-    if not set(layers) <= set(pass_layers):
-        raise JaxspecError(f"--pass-layers {pass_layers} must include --layers {layers}")
-    work = args.work_dir or jaxspec_home() / "train" / cfg.name / "firp"
-    with training_run(args, work, default_out(args, "firp", cfg.name)) as out:
-        return _train(args, model, drafter, pass_layers, work, out)
+class Firp(Trainer):
+    method = "firp"
 
-
-def _train(args, model, drafter: FirpDrafter, pass_layers, work: Path, out: Path) -> dict:
-    """The data's real pass, the maps trained step by step, the evaluation; the drafter, its
-    card and report in `out`."""
-    cfg, layers, K = model.cfg, drafter.layers, drafter.n_steps
-    start_time = time.perf_counter()
-
-    def pass_of(split, n):
-        return real_pass(model, work, split, n, args.prompt_len, args.new_tokens, pass_layers)
-
-    train_pass = pass_of("train", args.train_seqs)
-    test_pass = pass_of("test", args.test_seqs)
-    low, high = valid_anchor_range(train_pass.data, K)
-    usable = np.flatnonzero(high >= low)
-
-    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
-    maps = drafter.init()["maps"]
-    # stage: the FIRP step being trained (0-based); its map is `current`, maps[stage] stale.
-    state = {
-        "maps": maps,
-        "current": maps[0],
-        "opt_state": optimizer.init(maps[0]),
-        "stage": jnp.int32(0),
-        "stage_step": jnp.int32(0),
-        "step": jnp.int32(0),
-    }
-    manager, state, resumed = resume(work, args, state)
-    if resumed:
-        print(f"resumed at FIRP step {int(state['stage']) + 1}, update {int(state['stage_step'])}")
-    rng = np.random.default_rng([args.seed, int(state["step"])])
-    losses = {}
-    done = int(state["stage"]) * args.steps + int(state["stage_step"])
-    bar = tqdm(total=K * args.steps, initial=min(done, K * args.steps), desc="train firp")
-    while True:
-        stage = int(state["stage"])
-        if int(state["stage_step"]) >= args.steps:
-            if stage == K - 1:
-                break
-            state = {  # the map is final: the next FIRP step trains with it in place
-                **state,
-                "maps": [*state["maps"][:stage], state["current"], *state["maps"][stage + 1 :]],
-                "current": state["maps"][stage + 1],
-                "opt_state": optimizer.init(state["maps"][stage + 1]),
-                "stage": jnp.int32(stage + 1),
-                "stage_step": jnp.int32(0),
-            }
-            continue
-        step = int(state["step"])
-        pick = np.random.default_rng([args.seed, step]).choice
-        rows = np.sort(pick(usable, min(args.batch, len(usable)), replace=False))
-        anchors = sample_anchors(rng, low[rows], high[rows], args.anchors)
-        state, loss = train_step(
-            state, state["maps"][:stage], model.params, train_pass.batch(rows, layers),
-            jnp.asarray(anchors), cfg=cfg, layers=layers[: stage + 1], optimizer=optimizer,
-            variant=args.variant,
-        )  # fmt: skip
-        losses[stage + 1] = float(loss)
-        bar.update()
-        bar.set_postfix(firp_step=stage + 1, loss=f"{float(loss):.3f}")
-        save(manager, step + 1, state, last=step + 1 == K * args.steps)
-    bar.close()
-    manager.wait_until_finished()
-    maps = [*state["maps"][: K - 1], state["current"]]
-
-    accuracy = evaluate(model, maps, layers, test_pass, variant=args.variant)
-    trees = searched_trees(accuracy)
-    report = {
-        "layers": list(layers),
-        "steps_per_firp_step": args.steps,
-        "final_loss_per_step": {k: round(v, 4) for k, v in losses.items()},
-        "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
-        "train_minutes": round((time.perf_counter() - start_time) / 60, 1),
-    }
-    write_text(out / "report.json", json.dumps({**report, "variant": args.variant}, indent=2))
-    if args.variant == "firp":
-        settings = {
-            "layers": list(layers),
-            "trees": trees,
-            "test_topk_accuracy": report["test_topk_accuracy"],
-        }
-        save_drafter(out, "firp", settings, {"maps": maps}, cfg, card(args, cfg, report))
-        report["accepted_per_step"] = measure_acceptance(
-            model, "firp", out, settings, test_pass.data
+    def __init__(self, args, model):
+        super().__init__(args, model)
+        cfg = model.cfg
+        self.layers = parse_layers(args.layers, cfg.n_layers)
+        self.drafter = FirpDrafter(cfg, self.layers)  # validates the layers
+        self.pass_layers = (
+            parse_layers(args.pass_layers, cfg.n_layers) if args.pass_layers else self.layers
         )
-    print(json.dumps(report, indent=2))
-    print(f"wrote the drafter to {out}")
-    return report
+        FirpDrafter(cfg, self.pass_layers)  # and these
+        if not set(self.layers) <= set(self.pass_layers):
+            raise JaxspecError(
+                f"--pass-layers {self.pass_layers} must include --layers {self.layers}"
+            )
+
+    def prepare(self) -> None:
+        """The data's real pass (cached) and the answers' anchor ranges."""
+        self.train_pass, self.test_pass = (
+            real_pass(self.model, self.work, split, n, self.args.prompt_len,
+                      self.args.new_tokens, self.pass_layers)
+            for split, n in (("train", self.args.train_seqs), ("test", self.args.test_seqs))
+        )  # fmt: skip
+        self.low, self.high = valid_anchor_range(self.train_pass.data, self.drafter.n_steps)
+        self.usable = np.flatnonzero(self.high >= self.low)
+
+    def start(self):
+        """Maps trained in stages: `stage` is the FIRP step being trained (0-based), its map
+        `current` (maps[stage] stale), `stage_step` its updates so far, `step` all updates."""
+        maps = self.drafter.init()["maps"]
+        state = {
+            "maps": maps,
+            "current": maps[0],
+            "opt_state": self.optimizer.init(maps[0]),
+            "stage": jnp.int32(0),
+            "stage_step": jnp.int32(0),
+            "step": jnp.int32(0),
+        }
+        manager, state, resumed = resume(self.work, self.args, state)
+        if resumed:
+            print(
+                f"resumed at FIRP step {int(state['stage']) + 1}, update {int(state['stage_step'])}"
+            )
+        return manager, state
+
+    def fit(self, manager, state):
+        """--steps updates per FIRP step, one stage after the other -> (state, the final
+        loss per FIRP step trained in this invocation)."""
+        args, K, layers = self.args, self.drafter.n_steps, self.layers
+        rng = np.random.default_rng([args.seed, int(state["step"])])
+        losses = {}
+        done = int(state["stage"]) * args.steps + int(state["stage_step"])
+        bar = tqdm(total=K * args.steps, initial=min(done, K * args.steps), desc="train firp")
+        while True:
+            stage = int(state["stage"])
+            if int(state["stage_step"]) >= args.steps:
+                if stage == K - 1:
+                    break
+                maps = state["maps"]
+                state = {  # the map is final: the next FIRP step trains with it in place
+                    **state,
+                    "maps": [*maps[:stage], state["current"], *maps[stage + 1 :]],
+                    "current": maps[stage + 1],
+                    "opt_state": self.optimizer.init(maps[stage + 1]),
+                    "stage": jnp.int32(stage + 1),
+                    "stage_step": jnp.int32(0),
+                }
+                continue
+            step = int(state["step"])
+            pick = np.random.default_rng([args.seed, step]).choice
+            rows = np.sort(pick(self.usable, min(args.batch, len(self.usable)), replace=False))
+            anchors = sample_anchors(rng, self.low[rows], self.high[rows], args.anchors)
+            state, loss = train_step(
+                state, state["maps"][:stage], self.model.params,
+                self.train_pass.batch(rows, layers), jnp.asarray(anchors), cfg=self.cfg,
+                layers=layers[: stage + 1], optimizer=self.optimizer, variant=args.variant,
+            )  # fmt: skip
+            losses[stage + 1] = float(loss)
+            bar.update()
+            bar.set_postfix(firp_step=stage + 1, loss=f"{float(loss):.3f}")
+            save(manager, step + 1, state, last=step + 1 == K * args.steps)
+        bar.close()
+        return state, losses
+
+    def finish(self, state, losses) -> Result:
+        """The report (also report.json, for every variant); only the "firp" variant writes
+        and measures a drafter."""
+        args, layers = self.args, self.layers
+        maps = [*state["maps"][: len(layers) - 1], state["current"]]
+        accuracy = evaluate(self.model, maps, layers, self.test_pass, variant=args.variant)
+        report = {
+            "layers": list(layers),
+            "steps_per_firp_step": args.steps,
+            "final_loss_per_step": {k: round(v, 4) for k, v in losses.items()},
+            "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
+            "train_minutes": self.minutes(),
+        }
+        write_text(self.out / "report.json", json.dumps({**report, "variant": args.variant},
+                                                        indent=2))  # fmt: skip
+        settings = FirpSettings(layers=tuple(layers), trees=searched_trees(accuracy))
+        data = {"test_topk_accuracy": np.asarray(report["test_topk_accuracy"], np.float64)}
+        drafts = args.variant == "firp"
+        return Result(report, settings, {"maps": maps}, card(args, self.cfg, report),
+                      self.test_pass.data if drafts else None, data)  # fmt: skip
+
+    def save(self, result: Result) -> None:
+        if self.args.variant == "firp":  # the ablations write only their report.json
+            super().save(result)
+
+
+def train(argv) -> dict:
+    return skeleton.train(Firp, parse_args(argv))
 
 
 def card(args, cfg, report) -> str:

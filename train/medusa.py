@@ -16,30 +16,25 @@
 
 from __future__ import annotations
 
-import json
-import time
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
-from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import positive_float, positive_int
 from jaxspec.data.sources import sharegpt_split, split_tag
-from jaxspec.drafters.medusa import MedusaDrafter
-from jaxspec.drafters.store import save_drafter
+from jaxspec.drafters.medusa import MedusaDrafter, MedusaSettings
 from jaxspec.llama import lm_logits
-from jaxspec.models import load_model
 from jaxspec.tree import searched_trees
-from train.acceptance import measure_acceptance
-from train.args import default_out, parse, trainer_parser, training_run
-from train.checkpoints import command_flags, initial_params, resume_training, save, started_from
-from train.features import answer_features, extract
-from train.optim import apply_grads
+
+from . import skeleton
+from .args import parse, trainer_parser
+from .checkpoints import command_flags, started_from
+from .features import answer_features, extract
+from .optim import apply_grads
+from .skeleton import Result, Trainer
 
 
 def parse_args(argv):
@@ -120,70 +115,62 @@ def evaluate(drafter, base, params, features, targets, batch=512) -> np.ndarray:
     return hits / len(pairs)  # [K,5] top-1..5 accuracy
 
 
-def train(argv) -> dict:
-    args = parse_args(argv)
-    model = load_model(args.model)
-    work = args.work_dir or jaxspec_home() / "train" / model.cfg.name / "medusa"
-    with training_run(args, work, default_out(args, "medusa", model.cfg.name)) as out:
-        return _train(args, model, work, out)
+class Medusa(Trainer):
+    method = "medusa"
 
+    def prepare(self) -> None:
+        """Features (cached per split, count and lengths: reruns reuse them), the training
+        pairs and the drafter."""
+        args = self.args
+        self.train_f = self.features("train", args.train_seqs)
+        self.test_f = self.features("test", args.test_seqs)
+        self.pairs, self.labels = samples(self.train_f, args.heads, args.targets)
+        self.drafter = MedusaDrafter(self.cfg, args.heads)
+        self.weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
+        self.order = np.random.default_rng(args.seed).permutation(len(self.pairs))
 
-def _train(args, model, work: Path, out: Path) -> dict:
-    """Features, the heads' training and evaluation; the drafter and its card in `out`."""
-    cfg = model.cfg
-    start_time = time.perf_counter()
-
-    def features(split, n):  # cached per (split, count, lengths): reruns reuse them
+    def features(self, split: str, n: int) -> dict:
+        args = self.args
         if args.data == "sharegpt":
-            file = work / f"{split_tag(split)}-{n}x{args.seq_len}.npz"
-            return extract(model, sharegpt_split(split), n, args.seq_len, file)
-        return answer_features(model, work.parent, split, n, args.prompt_len, args.new_tokens)
-
-    train_f, test_f = features("train", args.train_seqs), features("test", args.test_seqs)
-    pairs, labels = samples(train_f, args.heads, args.targets)
-
-    drafter = MedusaDrafter(cfg, args.heads)
-    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
-    params = initial_params(args, "medusa", model.cfg, drafter.init(model.params))
-    manager, state = resume_training(work, args, params, optimizer)
-    weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
-    rng = np.random.default_rng(args.seed)
-    order = rng.permutation(len(pairs))
-    bar = tqdm(range(int(state["step"]), args.steps), desc="train medusa", unit="step")
-    losses = jnp.zeros(args.heads)
-    for step in bar:
-        idx = order[(step * args.batch + np.arange(args.batch)) % len(order)]
-        h, h_future = gather(train_f, pairs[idx], args.heads, args.targets == "kl")
-        state, losses = train_step(
-            state,
-            model.params,
-            h,
-            jnp.asarray(labels[idx]),
-            h_future,
-            weights,
-            drafter=drafter,
-            optimizer=optimizer,
+            file = self.work / f"{split_tag(split)}-{n}x{args.seq_len}.npz"
+            return extract(self.model, sharegpt_split(split), n, args.seq_len, file)
+        return answer_features(
+            self.model, self.work.parent, split, n, args.prompt_len, args.new_tokens
         )
-        if (step + 1) % 10 == 0:
-            bar.set_postfix(loss=" ".join(f"{x:.2f}" for x in np.asarray(losses)))
-        save(manager, step + 1, state, last=step + 1 == args.steps)
-    manager.wait_until_finished()
 
-    accuracy = evaluate(drafter, model.params, state["params"], test_f, args.targets)
-    trees = searched_trees(accuracy)
-    settings = {"n_heads": args.heads, "own_lm_head": False, "trees": trees}
-    report = {
-        "steps": int(state["step"]),
-        "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
-        "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
-        "train_positions": int(len(pairs)),
-        "train_minutes": round((time.perf_counter() - start_time) / 60, 1),
-    }
-    save_drafter(out, "medusa", settings, state["params"], cfg, card(args, cfg, report))
-    report["accepted_per_step"] = measure_acceptance(model, "medusa", out, settings, test_f)
-    print(json.dumps(report, indent=2))
-    print(f"wrote the drafter to {out}")
-    return report
+    def fresh(self):
+        return self.drafter.init(self.model.params)
+
+    def step(self, state, step):
+        args = self.args
+        idx = self.order[(step * args.batch + np.arange(args.batch)) % len(self.order)]
+        h, h_future = gather(self.train_f, self.pairs[idx], args.heads, args.targets == "kl")
+        return train_step(
+            state, self.model.params, h, jnp.asarray(self.labels[idx]), h_future, self.weights,
+            drafter=self.drafter, optimizer=self.optimizer,
+        )  # fmt: skip
+
+    def shown(self, losses):
+        return {"loss": " ".join(f"{x:.2f}" for x in np.asarray(losses))}
+
+    def finish(self, state, losses) -> Result:
+        args = self.args
+        losses = np.zeros(args.heads) if losses is None else losses
+        accuracy = evaluate(self.drafter, self.model.params, state["params"], self.test_f,
+                            args.targets)  # fmt: skip
+        settings = MedusaSettings(n_heads=args.heads, trees=searched_trees(accuracy))
+        report = {
+            "steps": int(state["step"]),
+            "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
+            "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
+            "train_positions": int(len(self.pairs)),
+            "train_minutes": self.minutes(),
+        }
+        return Result(report, settings, state["params"], card(args, self.cfg, report), self.test_f)
+
+
+def train(argv) -> dict:
+    return skeleton.train(Medusa, parse_args(argv))
 
 
 TARGETS = {

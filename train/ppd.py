@@ -11,29 +11,24 @@ maximises the expected saving (d - d̄) p_correct(k=3) per token (Theorem 4.1).
 
 from __future__ import annotations
 
-import json
-import time
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
-from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import positive_int
-from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
-from jaxspec.models import load_model
-from jaxspec.ppd import early_logits, head_name
-from train.args import default_out, int_list, parse, trainer_parser, training_run
-from train.checkpoints import command_flags, resume_training, run_record, save
-from train.features import self_answers
-from train.optim import apply_grads
+from jaxspec.ppd import PpdSettings, early_logits, head_name
+
+from . import skeleton
+from .args import int_list, parse, trainer_parser
+from .checkpoints import command_flags
+from .optim import apply_grads
+from .skeleton import Result, Trainer
 
 KS = (1, 3, 5)
 
@@ -144,64 +139,57 @@ def evaluate(model, heads, data, layers) -> dict:
     }  # fmt: skip
 
 
-def train(argv) -> dict:
-    args = parse_args(argv)
-    model = load_model(args.model)
-    cfg = model.cfg
-    layers = head_layers(args.layers, cfg.n_layers)
-    root = args.work_dir or jaxspec_home() / "train" / cfg.name
-    work = args.work_dir or root / "ppd"
-    with training_run(args, work, default_out(args, "ppd", cfg.name)) as out:
-        return _train(args, model, layers, root, work, out)
+class Ppd(Trainer):
+    method = "ppd"
+    wrote = "wrote the heads to {out}"
 
+    def __init__(self, args, model):
+        super().__init__(args, model)
+        self.layers = head_layers(args.layers, model.cfg.n_layers)
 
-def _train(args, model, layers, root: Path, work: Path, out: Path) -> dict:
-    """The answers (in `root`), the heads' training and evaluation; the heads and their card
-    in `out`."""
-    cfg = model.cfg
-    start_time = time.perf_counter()
+    def prepare(self) -> None:
+        self.train_data, self.test_data = self.answers()
 
-    train_data, test_data = (
-        self_answers(model, root, split, n, args.prompt_len, args.new_tokens)
-        for split, n in (("train", args.train_seqs), ("test", args.test_seqs))
-    )
-    D = cfg.dim
-    heads = {head_name(layer): {"w": jnp.zeros((D, D)), "b": jnp.zeros((D,))} for layer in layers}
-    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps), weight_decay=0.0)
-    manager, state = resume_training(work, args, heads, optimizer)
-    first_step = int(state["step"])
-    losses = {}
-    for step in (bar := tqdm(range(first_step, args.steps), desc="train ppd", unit="step")):
+    def fresh(self):
+        """Zero heads: each starts as the plain early exit."""
+        D = self.cfg.dim
+        return {head_name(layer): {"w": jnp.zeros((D, D)), "b": jnp.zeros((D,))}
+                for layer in self.layers}  # fmt: skip
+
+    def step(self, state, step):
+        args, data = self.args, self.train_data
         rng = np.random.default_rng([args.seed, step])
-        seqs = rng.integers(0, len(train_data["tokens"]), args.batch)
-        rows, valid = answer_rows(train_data, seqs, args.rows, rng)
-        states, final = layer_states(model.params, train_data["tokens"][seqs], rows, cfg=cfg,
-                                     layers=layers)  # fmt: skip
-        state, losses = train_step(state, model.params, states, final, valid, cfg=cfg,
-                                   optimizer=optimizer)  # fmt: skip
-        if (step + 1) % 10 == 0:
-            bar.set_postfix(loss=" ".join(f"{float(v):.2f}" for v in losses.values()))
-        save(manager, step + 1, state, last=step + 1 == args.steps)
-    manager.wait_until_finished()
-    record = run_record(work, args)
-    if first_step < args.steps:
-        minutes = (time.perf_counter() - start_time) / 60 + record.get("train_minutes", 0.0)
-        record = run_record(work, args, {
+        seqs = rng.integers(0, len(data["tokens"]), args.batch)
+        rows, valid = answer_rows(data, seqs, args.rows, rng)
+        states, final = layer_states(self.model.params, data["tokens"][seqs], rows, cfg=self.cfg,
+                                     layers=self.layers)  # fmt: skip
+        return train_step(state, self.model.params, states, final, valid, cfg=self.cfg,
+                          optimizer=self.optimizer)  # fmt: skip
+
+    def shown(self, losses):
+        return {"loss": " ".join(f"{float(v):.2f}" for v in losses.values())}
+
+    def finish(self, state, losses) -> Result:
+        """p_correct per layer, the default drafting layer; heads in float16 (their accepted
+        tokens are not measured here)."""
+        cfg = self.cfg
+        record = self.record(lambda: {
             "final_loss": {str(k): round(float(v), 4) for k, v in losses.items()},
-            "train_minutes": round(minutes, 1),
         })  # fmt: skip
-    match = evaluate(model, state["params"], test_data, layers)
-    default = max(
-        drafting_layers(layers, cfg.n_layers),
-        key=lambda layer: (cfg.n_layers - layer) * match[head_name(layer)]["trained"]["top3"],
-    )
-    settings = {"layers": list(layers), "default_layer": default}
-    report = {"steps": int(state["step"]), **record, "default_layer": default, "p_correct": match}
-    params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), {"heads": state["params"]})
-    save_drafter(out, "ppd", settings, params16, cfg, card(args, cfg, report))
-    print(json.dumps(report, indent=2))
-    print(f"wrote the heads to {out}")
-    return report
+        match = evaluate(self.model, state["params"], self.test_data, self.layers)
+        default = max(
+            drafting_layers(self.layers, cfg.n_layers),
+            key=lambda layer: (cfg.n_layers - layer) * match[head_name(layer)]["trained"]["top3"],
+        )
+        settings = PpdSettings(layers=tuple(self.layers), default_layer=default)
+        report = {"steps": int(state["step"]), **record, "default_layer": default,
+                  "p_correct": match}  # fmt: skip
+        params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), {"heads": state["params"]})
+        return Result(report, settings, params16, card(self.args, cfg, report))
+
+
+def train(argv) -> dict:
+    return skeleton.train(Ppd, parse_args(argv))
 
 
 def card(args, cfg, report) -> str:

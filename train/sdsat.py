@@ -22,39 +22,25 @@
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
-from jaxspec.checkpoint import jaxspec_home
 from jaxspec.cli import nonnegative_int, positive_int, probability
-from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter
-from jaxspec.drafters.store import save_drafter
+from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter, SdsatSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
-from jaxspec.models import load_model
 from jaxspec.tree import searched_trees, tree_preset
-from train.acceptance import measure_acceptance
-from train.args import default_out, parse, trainer_parser, training_run
-from train.checkpoints import (
-    command_flags,
-    initial_params,
-    resume_training,
-    run_record,
-    save,
-    started_from,
-)
-from train.features import self_answers
-from train.optim import apply_grads, paper_schedule_adamw
-from train.sdsat_full import train_full
+
+from . import skeleton
+from .args import parse, trainer_parser
+from .checkpoints import command_flags, started_from
+from .optim import apply_grads, paper_schedule_adamw
+from .skeleton import Result, Trainer
 
 SEARCHED_SIZES = (4, 6, 8, 16)  # the trees searched for a trained adapter: searched-N
 
@@ -214,74 +200,64 @@ def sdsat_trees(topk_per_depth, sizes=SEARCHED_SIZES) -> dict[str, list[list[int
     return searched_trees(np.concatenate([certain, np.asarray(topk_per_depth)]), sizes)
 
 
+class Sdsat(Trainer):
+    """Mode (b): the adapter and the adaptive tokens' embeddings on the frozen model."""
+
+    method, folder, show_every = "sdsat", "sdsat-adapter", 5
+
+    def prepare(self) -> None:
+        """The answers (in the shared training folder) and the drafter."""
+        self.train_data, self.test_data = self.answers()
+        self.drafter = SdsatDrafter(self.cfg, self.args.rank, self.args.ids)
+
+    def make_optimizer(self):
+        return paper_schedule_adamw(self.args.lr, self.args.steps)
+
+    def fresh(self):
+        return self.drafter.init(self.model.params, jax.random.key(self.args.seed))
+
+    def step(self, state, step):
+        args, data = self.args, self.train_data
+        rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
+        seqs = rng.integers(0, len(data["tokens"]), args.batch)
+        lengths = data["lengths"][seqs]
+        spans = span_starts(data["starts"][seqs], lengths, args.spans, rng)
+        return train_step(
+            state, self.model.params, data["tokens"][seqs], lengths, spans,
+            drafter=self.drafter, optimizer=self.optimizer, L=args.window,
+        )  # fmt: skip
+
+    def shown(self, aux):
+        return {"loss": f"{float(aux[0]):.3f}"}
+
+    def evaluate_test(self, drafter, params, dparams) -> dict:
+        """`evaluate` on the test answers."""
+        return evaluate(drafter, params, dparams, self.test_data, self.args.window)
+
+    def finish(self, state, aux) -> Result:
+        """Evaluation, the searched trees; weights in float16."""
+        args = self.args
+        record = self.record(lambda: {
+            "final_loss": round(float(aux[0]), 4),
+            "final_loss_per_depth": [round(float(x), 3) for x in np.asarray(aux[1])],
+        })  # fmt: skip
+        evaluation = self.evaluate_test(self.drafter, self.model.params, state["params"])
+        settings = SdsatSettings(rank=args.rank, n_ids=args.ids, window=args.window,
+                                 cpu_tree=args.cpu_tree, gpu_tree="comb-8-4",
+                                 trees=sdsat_trees(evaluation["topk_per_depth"]))  # fmt: skip
+        report = {"steps": int(state["step"]), **record, "test": evaluation,
+                  "trees": settings.trees}  # fmt: skip
+        params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
+        return Result(report, settings, params16, card(args, self.cfg, report), self.test_data)
+
+
 def train(argv) -> dict:
     args = parse_args(argv)
-    model = load_model(args.model)
-    name = model.cfg.name
-    root = args.work_dir or jaxspec_home() / "train" / name
-    work = args.work_dir or root / f"sdsat-{args.mode}"
-    full = jaxspec_home() / "models" / f"{name}-sdsat-full"  # repro.sdsat_study reads it
-    default = full if args.mode == "full" else default_out(args, "sdsat", name)
-    with training_run(args, work, default) as out:
-        return _train(args, model, root, work, out)
-
-
-def _train(args, model, root: Path, work: Path, out: Path) -> dict:
-    """The answers (in `root`), training and evaluation; the adapter and its card, or in
-    full mode the fine-tuned model, in `out`."""
-    cfg = model.cfg
-    start_time = time.perf_counter()
-    train_data, test_data = (
-        self_answers(model, root, split, n, args.prompt_len, args.new_tokens)
-        for split, n in (("train", args.train_seqs), ("test", args.test_seqs))
-    )
     if args.mode == "full":
-        report = train_full(args, model, train_data, work, out, lambda drafter, p, dp: evaluate(
-            drafter, p, dp, test_data, args.window
-        ))  # fmt: skip
-        print(json.dumps(report, indent=2))
-        print(f"wrote the fine-tuned model to {out} (its drafter: {out / 'sdsat'})")
-        return report
-    drafter = SdsatDrafter(cfg, args.rank, args.ids)
-    optimizer = paper_schedule_adamw(args.lr, args.steps)
-    fresh = drafter.init(model.params, jax.random.key(args.seed))
-    params = initial_params(args, "sdsat", cfg, fresh)
-    manager, state = resume_training(work, args, params, optimizer)
-    first_step = int(state["step"])
-    loss, per_depth = jnp.float32(0), jnp.zeros(args.window)
-    bar = tqdm(range(first_step, args.steps), desc="train sdsat", unit="step")
-    for step in bar:
-        rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
-        seqs = rng.integers(0, len(train_data["tokens"]), args.batch)
-        lengths = train_data["lengths"][seqs]
-        spans = span_starts(train_data["starts"][seqs], lengths, args.spans, rng)
-        state, (loss, per_depth) = train_step(
-            state, model.params, train_data["tokens"][seqs], lengths, spans,
-            drafter=drafter, optimizer=optimizer, L=args.window,
-        )  # fmt: skip
-        if (step + 1) % 5 == 0:
-            bar.set_postfix(loss=f"{float(loss):.3f}")
-        save(manager, step + 1, state, last=step + 1 == args.steps)
-    manager.wait_until_finished()
-    record = run_record(work, args)
-    if first_step < args.steps:  # this invocation trained: record what it measured
-        minutes = (time.perf_counter() - start_time) / 60 + record.get("train_minutes", 0.0)
-        record = run_record(work, args, {
-            "final_loss": round(float(loss), 4),
-            "final_loss_per_depth": [round(float(x), 3) for x in np.asarray(per_depth)],
-            "train_minutes": round(minutes, 1),
-        })  # fmt: skip
-    evaluation = evaluate(drafter, model.params, state["params"], test_data, args.window)
-    settings = {"rank": args.rank, "n_ids": args.ids, "window": args.window,
-                "cpu_tree": args.cpu_tree, "gpu_tree": "comb-8-4",
-                "trees": sdsat_trees(evaluation["topk_per_depth"])}  # fmt: skip
-    report = {"steps": int(state["step"]), **record, "test": evaluation, "trees": settings["trees"]}
-    params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), state["params"])
-    save_drafter(out, "sdsat", settings, params16, cfg, card(args, cfg, report))
-    report["accepted_per_step"] = measure_acceptance(model, "sdsat", out, settings, test_data)
-    print(json.dumps(report, indent=2))
-    print(f"wrote the drafter to {out}")
-    return report
+        from .sdsat_full import FullSdsat  # builds on Sdsat (a module-level import would cycle)
+
+        return skeleton.train(FullSdsat, args)
+    return skeleton.train(Sdsat, args)
 
 
 def card(args, cfg, report) -> str:

@@ -19,15 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
-from jaxspec.checkpoint import save_checkpoint
-from jaxspec.drafters.sdsat import SdsatDrafter, extend_vocabulary
+from jaxspec.checkpoint import jaxspec_home, save_checkpoint
+from jaxspec.drafters.sdsat import SdsatDrafter, SdsatSettings, extend_vocabulary
 from jaxspec.drafters.store import save_drafter
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import forward
-from train.checkpoints import resume_training, run_record, save
-from train.optim import apply_grads, paper_schedule_adamw
+
+from .checkpoints import resume_training
+from .optim import apply_grads
+from .sdsat import Sdsat
+from .skeleton import Result
 
 
 def inplace_spans(starts, lengths, S: int, L: int, rate: float, rng):
@@ -73,44 +75,67 @@ def full_step(state, tokens, answer, masked, offset, *, cfg, optimizer, n_ids, w
     return new, (loss, *parts)
 
 
-def train_full(args, model, train_data, work: Path, out: Path, evaluate) -> dict:
-    """Fine-tune every weight; write the checkpoint and its rank-0 drafter to `out`."""
-    base = SdsatDrafter(model.cfg, 0, args.ids)
-    rows = base.init(model.params, jax.random.key(args.seed))["embed"]
-    cfg, params = extend_vocabulary(model.cfg, model.params, rows)
-    optimizer = paper_schedule_adamw(args.lr, args.steps)
-    manager, state = resume_training(work, args, params, optimizer)
-    first_step = int(state["step"])
-    S = train_data["tokens"].shape[1]
-    losses = (0.0, 0.0, 0.0)
-    for step in tqdm(range(first_step, args.steps), desc="train sdsat (full)", unit="step"):
+class FullSdsat(Sdsat):
+    """Mode (a): every weight of the model with the vocabulary extended (no --init)."""
+
+    folder, desc = "sdsat-full", "train sdsat (full)"
+    wrote = "wrote the fine-tuned model to {out} (its drafter: {out}/sdsat)"
+
+    def default_out(self) -> Path:
+        return jaxspec_home() / "models" / f"{self.cfg.name}-sdsat-full"  # repro.sdsat_study
+
+    def prepare(self) -> None:
+        """The answers and the model with the adaptive ids' rows (the mean embedding)."""
+        self.train_data, self.test_data = self.answers()
+        rows = SdsatDrafter(self.cfg, 0, self.args.ids).init(
+            self.model.params, jax.random.key(self.args.seed)
+        )["embed"]
+        self.tuned_cfg, self.extended = extend_vocabulary(self.cfg, self.model.params, rows)
+
+    def start(self):
+        """From the extended model (--init is an adapter's: not for this mode)."""
+        return resume_training(self.work, self.args, self.extended, self.optimizer)
+
+    def step(self, state, step):
+        args, data = self.args, self.train_data
         rng = np.random.default_rng([args.seed, step])
-        seqs = rng.integers(0, len(train_data["tokens"]), args.batch)
-        starts, lengths = train_data["starts"][seqs], train_data["lengths"][seqs]
+        seqs = rng.integers(0, len(data["tokens"]), args.batch)
+        starts, lengths = data["starts"][seqs], data["lengths"][seqs]
+        S = data["tokens"].shape[1]
         target = np.arange(1, S)[None]
         answer = (target >= starts[:, None]) & (target < lengths[:, None])
         masked, offset = inplace_spans(starts, lengths, S, args.window, args.mask_rate, rng)
-        state, losses = full_step(
-            state, train_data["tokens"][seqs], answer.astype(np.float32), masked, offset,
-            cfg=cfg, optimizer=optimizer, n_ids=args.ids, w=1.0,
+        return full_step(
+            state, data["tokens"][seqs], answer.astype(np.float32), masked, offset,
+            cfg=self.tuned_cfg, optimizer=self.optimizer, n_ids=args.ids, w=1.0,
         )  # fmt: skip
-        save(manager, step + 1, state, last=step + 1 == args.steps)
-    manager.wait_until_finished()
-    record = run_record(work, args)
-    if first_step < args.steps:
-        record = run_record(work, args, {
-            "final_loss": round(float(losses[0]), 4),
-            "final_standard_loss": round(float(losses[1]), 4),
-            "final_adaptive_loss": round(float(losses[2]), 4),
-        })  # fmt: skip
-    tuned = state["params"]
-    drafter = SdsatDrafter(cfg, 0, args.ids)
-    dparams = {"embed": tuned["embed_tokens"][model.cfg.vocab_size :]}
-    report = {"steps": int(state["step"]), **record, "test": evaluate(drafter, tuned, dparams)}
-    save_checkpoint(out, cfg, jax.tree.map(lambda x: x.astype(jnp.float32), tuned),
-                    model.tokenizer)  # fmt: skip
-    settings = {"rank": 0, "n_ids": args.ids, "window": args.window, "cpu_tree": args.cpu_tree,
-                "gpu_tree": "comb-8-4", "mode": "full"}  # fmt: skip
-    card = f"# SDSAT mode (a) drafter: the adaptive rows of the fine-tuned model in {out}\n"
-    save_drafter(out / "sdsat", "sdsat", settings, dparams, cfg, card)
-    return report
+
+    def shown(self, aux):
+        return {}  # the bar shows steps only
+
+    def finish(self, state, aux) -> Result:
+        """The fine-tuned model (kept for `save`) and its drafter: the adaptive rows."""
+        args = self.args
+        record = self.record(lambda: {
+            "final_loss": round(float(aux[0]), 4),
+            "final_standard_loss": round(float(aux[1]), 4),
+            "final_adaptive_loss": round(float(aux[2]), 4),
+        }, minutes=False)  # fmt: skip
+        self.tuned = state["params"]
+        drafter = SdsatDrafter(self.tuned_cfg, 0, args.ids)
+        dparams = {"embed": self.tuned["embed_tokens"][self.cfg.vocab_size :]}
+        evaluation = self.evaluate_test(drafter, self.tuned, dparams)
+        report = {"steps": int(state["step"]), **record, "test": evaluation}
+        settings = SdsatSettings(rank=0, n_ids=args.ids, window=args.window,
+                                 cpu_tree=args.cpu_tree, gpu_tree="comb-8-4")  # fmt: skip
+        card = (
+            f"# SDSAT mode (a) drafter: the adaptive rows of the fine-tuned model in {self.out}\n"
+        )
+        return Result(report, settings, dparams, card)
+
+    def save(self, result: Result) -> None:
+        """The whole fine-tuned checkpoint in --out, its drafter in --out/sdsat."""
+        tuned = jax.tree.map(lambda x: x.astype(jnp.float32), self.tuned)
+        save_checkpoint(self.out, self.tuned_cfg, tuned, self.model.tokenizer)
+        save_drafter(self.out / "sdsat", "sdsat", result.settings, result.params, self.tuned_cfg,
+                     result.card)  # fmt: skip

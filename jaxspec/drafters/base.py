@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache
 from jaxspec.llama import run_layers
@@ -19,20 +20,20 @@ from jaxspec.tree import TreeSpec, tree_preset
 CPU_TREE = "chain-1"
 
 
-def default_tree(settings: dict) -> str:
+def default_tree(settings: DrafterSettings) -> str:
     """On CPU the tree measured fastest for the drafter (its `cpu_tree` setting, else
     CPU_TREE); on accelerators its `gpu_tree`, else its own 64-node searched tree when it
     ships one, else the 63-node preset."""
     if jax.default_backend() == "cpu":
-        return settings.get("cpu_tree", CPU_TREE)
-    if "gpu_tree" in settings:
-        return settings["gpu_tree"]
-    return "searched-64" if "searched-64" in settings.get("trees", {}) else "gpu-63"
+        return settings.cpu_tree or CPU_TREE
+    if settings.gpu_tree:
+        return settings.gpu_tree
+    return "searched-64" if "searched-64" in settings.trees else "gpu-63"
 
 
-def resolve_tree(name: str, settings: dict) -> TreeSpec:
-    """A tree the drafter ships (its settings["trees"]) or a preset."""
-    own = settings.get("trees", {})
+def resolve_tree(name: str, settings: DrafterSettings | None = None) -> TreeSpec:
+    """A tree the drafter ships (its settings' trees) or a preset."""
+    own = settings.trees if settings is not None else {}
     if name in own:
         return TreeSpec.from_paths(own[name])
     try:
@@ -102,18 +103,19 @@ class Drafter:
     drafts_from_cache: bool = False
 
     @classmethod
-    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> Drafter:
+    def from_settings(cls, cfg: LlamaConfig, settings: DrafterSettings, **options) -> Drafter:
         """The drafter a folder's settings describe (its drafter.json), with the method's
         options (`registry.Method.options`) given."""
         raise NotImplementedError
 
-    def select_tree(self, name: str | None, settings: dict) -> TreeSpec:
+    def select_tree(self, name: str | None, settings: DrafterSettings) -> TreeSpec:
         """The tree to verify: `name` (a preset or one of the drafter's own trees), else
         the drafter's default for this backend."""
         return resolve_tree(name or default_tree(settings), settings)
 
-    def for_tree(self, tree: TreeSpec, settings: dict, **options) -> Drafter:
-        """This drafter specialised for `tree` (FIRP places its pseudo chains)."""
+    def for_tree(self, tree: TreeSpec, settings: DrafterSettings, data, **options) -> Drafter:
+        """This drafter specialised for `tree` (FIRP places its pseudo chains); data: the
+        folder's data arrays by name."""
         return self
 
     def check_tree(self, tree: TreeSpec) -> None:
@@ -145,9 +147,9 @@ class Drafter:
         instead of twice), or None."""
         return None
 
-    def prepare(self, params, drafter_params, settings: dict):
+    def prepare(self, params, drafter_params, data: dict):
         """-> the drafter params used for generation, from the loaded ones and the
-        drafter's settings (e.g. tables derived from the base model's weights)."""
+        folder's data arrays (e.g. tables derived from the base model's weights)."""
         return drafter_params
 
     def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, drafter_params=None):

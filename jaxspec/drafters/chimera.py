@@ -59,6 +59,7 @@ import numpy as np
 
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, DraftInputs
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, write_rows
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
@@ -119,6 +120,21 @@ def lag_mask(n: int, lag: int) -> jax.Array:
     return jnp.concatenate([j <= i - lag, j <= i], axis=1)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChimeraSettings(DrafterSettings):
+    """The drafter's shape (ChimeraDrafter's fields of the same names). Data: draft_vocab
+    [V'] token ids the heads score, cache_prefill [N,ngram] frequent answer n-grams."""
+
+    n_heads: int
+    ngram: int = 3
+    residual: bool = True
+    cache_size: int = 0
+    full_heads: bool = False
+    bottom: str = "ngram"
+
+    DATA = ("draft_vocab", "cache_prefill")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChimeraDrafter(Drafter):
     cfg: LlamaConfig  # the base model's
@@ -145,12 +161,9 @@ class ChimeraDrafter(Drafter):
         return (self.cfg.n_layers,)
 
     @classmethod
-    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> ChimeraDrafter:
-        return cls(
-            cfg, settings["n_heads"], settings.get("ngram", 3), settings.get("residual", True),
-            settings.get("cache_size", 0), settings.get("full_heads", False),
-            settings.get("bottom", "ngram"),
-        )  # fmt: skip
+    def from_settings(cls, cfg: LlamaConfig, settings: ChimeraSettings, **options):
+        s = settings
+        return cls(cfg, s.n_heads, s.ngram, s.residual, s.cache_size, s.full_heads, s.bottom)
 
     def init(self, base_params, key=None) -> dict:
         D, n = self.cfg.dim, self.ngram
@@ -195,13 +208,13 @@ class ChimeraDrafter(Drafter):
             return dense(y, OutIn(params["vocab"]["matrix"]))
         return vocab_projection(base_params, self.cfg, y)
 
-    def prepare(self, params, drafter_params, settings):
-        if self.cache_size and settings.get("cache_prefill"):
-            table = self.prefilled_table(params, drafter_params, settings["cache_prefill"])
+    def prepare(self, params, drafter_params, data):
+        if self.cache_size and len(data.get("cache_prefill", ())):
+            table = self.prefilled_table(params, drafter_params, data["cache_prefill"])
             drafter_params = {**drafter_params, "cache_table": table}
-        if not settings.get("draft_vocab") or self.full_heads:
+        if not len(data.get("draft_vocab", ())) or self.full_heads:
             return drafter_params
-        ids = jnp.asarray(settings["draft_vocab"], jnp.int32)
+        ids = jnp.asarray(data["draft_vocab"], jnp.int32)
         lm = params["embed_tokens"] if self.cfg.tie_embeddings else params["lm_head"].T  # [V,D]
         return {**drafter_params, "vocab": {"ids": ids, "matrix": jnp.take(lm, ids, axis=0)}}
 

@@ -33,6 +33,7 @@ import numpy as np
 from jaxspec.chains import chain_mask, joint_mask, pseudo_positions
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, tree_candidates
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.layers import dense
@@ -42,6 +43,19 @@ from jaxspec.tree import TreeSpec, last_accepted_probability
 
 def apply_map(layer_map: dict, h: jax.Array) -> jax.Array:
     return (dense(h.astype(jnp.float32), layer_map["w"]) + layer_map["b"]).astype(h.dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FirpSettings(DrafterSettings):
+    """`layers`: the layer counts after which each pseudo step is predicted; `chains`: the
+    default number of nodes given pseudo chains (0: every node). Data:
+    test_topk_accuracy [K,k], the measured cumulative top-k accuracy per pseudo step,
+    which places the chains."""
+
+    layers: tuple[int, ...]
+    chains: int = 0
+
+    DATA = ("test_topk_accuracy",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,21 +76,21 @@ class FirpDrafter(Drafter):
             )
 
     @classmethod
-    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> FirpDrafter:
-        return cls(cfg, tuple(settings["layers"]))
+    def from_settings(cls, cfg: LlamaConfig, settings: FirpSettings, **options) -> FirpDrafter:
+        return cls(cfg, settings.layers)
 
-    def for_tree(self, tree: TreeSpec, settings: dict, firp_chains=None, **options):
+    def for_tree(self, tree: TreeSpec, settings: FirpSettings, data, firp_chains=None, **options):
         """Pseudo chains on the `firp_chains` nodes of `tree` likeliest to end a step (None:
         the drafter's `chains` setting; 0 or absent: every node)."""
-        n_chains = settings.get("chains", 0) if firp_chains is None else firp_chains
+        n_chains = settings.chains if firp_chains is None else firp_chains
         if n_chains < 0:
             raise JaxspecError(f"--firp-chains must be >= 0 (0 = every node), got {n_chains}")
-        if 0 < n_chains < tree.n_nodes and "test_topk_accuracy" not in settings:
+        if 0 < n_chains < tree.n_nodes and "test_topk_accuracy" not in data:
             raise JaxspecError(
                 "this FIRP drafter has no measured accuracies to place chains with; "
                 "retrain it or use --firp-chains 0 (every node)"
             )
-        return self.with_chains(tree, settings.get("test_topk_accuracy"), n_chains)
+        return self.with_chains(tree, data.get("test_topk_accuracy"), n_chains)
 
     @property
     def n_steps(self) -> int:

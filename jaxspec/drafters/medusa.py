@@ -16,10 +16,17 @@ import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, tree_candidates
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import dense
 from jaxspec.llama import final_norm, vocab_projection
 from jaxspec.tree import TreeSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MedusaSettings(DrafterSettings):
+    n_heads: int
+    own_lm_head: bool = False  # each head with its own vocabulary projection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +40,8 @@ class MedusaDrafter(Drafter):
         return (self.cfg.n_layers,)
 
     @classmethod
-    def from_settings(cls, cfg: LlamaConfig, settings: dict, **options) -> MedusaDrafter:
-        return cls(cfg, settings["n_heads"], settings.get("own_lm_head", False))
+    def from_settings(cls, cfg: LlamaConfig, settings: MedusaSettings, **options) -> MedusaDrafter:
+        return cls(cfg, settings.n_heads, settings.own_lm_head)
 
     def init(self, base_params, key=None) -> dict:
         D = self.cfg.dim

@@ -37,6 +37,7 @@ class Method:
     name: str
     builder: str  # "module:function" building its generator (jaxspec.methods)
     drafter: str | None = None  # "module:Class" of its Drafter
+    settings: str | None = None  # "module:Class" of its folder's settings (DrafterSettings)
     drafter_folder: bool = False  # loads a drafter folder (shipped or --drafter)
     tree: bool = False  # verifies a draft tree (--tree applies)
     options: tuple[str, ...] = ()  # Generator keywords only this method takes
@@ -50,23 +51,29 @@ class Method:
     def drafter_class(self):
         return self.load(self.drafter)
 
+    def settings_class(self):
+        return self.load(self.settings)
+
 
 def _speculative(name: str, cls: str, options: tuple[str, ...] = (), slash: str | None = None):
-    return Method(name, "jaxspec.methods:build_speculative", f"jaxspec.drafters.{cls}", True,
-                  True, options, "tree", slash)  # fmt: skip
+    """A method of a Drafter class `cls` with its settings class `cls`Settings beside it."""
+    module = f"jaxspec.drafters.{name}:{cls}"
+    return Method(name, "jaxspec.methods:build_speculative", module + "Drafter",
+                  module + "Settings", True, True, options, "tree", slash)  # fmt: skip
 
 
 REGISTRY = {
     m.name: m
     for m in (
         Method("ar", "jaxspec.methods:build_ar"),
-        _speculative("medusa", "medusa:MedusaDrafter"),
-        _speculative("firp", "firp:FirpDrafter", ("firp_chains",), "firp_chains"),
-        _speculative("chimera", "chimera:ChimeraDrafter"),
-        _speculative("sdsat", "sdsat:SdsatDrafter", ("sdsat_loop",), "sdsat_loop"),
+        _speculative("medusa", "Medusa"),
+        _speculative("firp", "Firp", ("firp_chains",), "firp_chains"),
+        _speculative("chimera", "Chimera"),
+        _speculative("sdsat", "Sdsat", ("sdsat_loop",), "sdsat_loop"),
         Method(
             "ppd",
             "jaxspec.methods:build_ppd",
+            settings="jaxspec.ppd:PpdSettings",
             drafter_folder=True,
             options=("ppd_k", "ppd_layer"),
             row_at="ppd_layer",

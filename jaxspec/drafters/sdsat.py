@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxspec.chains import joint_mask, pseudo_positions
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import CPU_TREE, Drafter, resolve_tree, tree_candidates
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.layers import dense
@@ -44,6 +45,16 @@ from jaxspec.llama import embed, final_norm, lm_logits, run_layers
 from jaxspec.tree import TreeSpec
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SdsatSettings(DrafterSettings):
+    """`rank`: the LoRA rank (0: the whole model was tuned); `n_ids`: adaptive tokens;
+    `window`: the draft chain's length in training."""
+
+    rank: int
+    n_ids: int = 1
+    window: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,21 +118,21 @@ class SdsatDrafter(Drafter):
         return lm_logits(params, self.cfg, h)
 
     @classmethod
-    def from_settings(cls, cfg: LlamaConfig, settings: dict, sdsat_loop=None, **options):
+    def from_settings(cls, cfg: LlamaConfig, settings: SdsatSettings, sdsat_loop=None, **options):
         one_forward = sdsat_loop == "one-forward"
-        return cls(cfg, settings["rank"], settings.get("n_ids", 1), one_forward)
+        return cls(cfg, settings.rank, settings.n_ids, one_forward)
 
-    def select_tree(self, name: str | None, settings: dict) -> TreeSpec:
+    def select_tree(self, name: str | None, settings: SdsatSettings) -> TreeSpec:
         """The one-forward loop takes presets only: the drafter's own trees were searched
         for the two-step loop (their depth 1 is the model's own token)."""
         if not self.one_forward:
             return super().select_tree(name, settings)
-        if name in settings.get("trees", {}):
+        if name in settings.trees:
             raise JaxspecError(
                 f"tree {name!r} was searched for sdsat's two-step loop (its depth 1 is the "
                 "model's own token); with the one-forward loop pick a preset: chain-N, comb-D-W"
             )
-        return resolve_tree(name or CPU_TREE, {})
+        return resolve_tree(name or CPU_TREE)
 
     def __post_init__(self):
         if self.rank < 0 or self.n_ids < 1:

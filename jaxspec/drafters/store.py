@@ -1,10 +1,13 @@
-"""Drafter folders: drafter.safetensors + drafter.json (method, settings, base-model
-fingerprint) + CARD.md. Loading checks the fingerprint against the base model."""
+"""Drafter folders: drafter.safetensors (weights) + drafter.json (method, typed settings,
+base-model fingerprint) + CARD.md, and drafter_data.safetensors when training measured or
+derived data arrays (the settings class's `DATA`). Loading checks the fingerprint against
+the base model."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +16,18 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from jaxspec.config import LlamaConfig
+from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 
-WEIGHTS, META = "drafter.safetensors", "drafter.json"
+WEIGHTS, META, DATA = "drafter.safetensors", "drafter.json", "drafter_data.safetensors"
+
+
+class StoredDrafter(NamedTuple):
+    """A drafter folder read back: its settings, weights, and data arrays by name."""
+
+    settings: DrafterSettings
+    params: dict
+    data: dict[str, np.ndarray]
 
 
 def fingerprint(cfg: LlamaConfig) -> dict:
@@ -65,11 +77,27 @@ def unflatten(flat: dict[str, np.ndarray]):
     return listify(root)
 
 
-def save_drafter(out: Path, method: str, settings: dict, params, base: LlamaConfig, card: str):
+def save_drafter(
+    out: Path,
+    method: str,
+    settings: DrafterSettings,
+    params,
+    base: LlamaConfig,
+    card: str,
+    data: dict[str, np.ndarray] | None = None,
+):
+    """Writes the folder; `data`: arrays named by the settings class's DATA."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    unknown = set(data or {}) - set(settings.DATA)
+    if unknown:
+        raise ValueError(f"{type(settings).__name__} carries no data named {sorted(unknown)}")
     save_file(flatten(params), str(out / WEIGHTS))
-    meta = {"method": method, "settings": settings, "base_model": fingerprint(base)}
+    if data:
+        save_file({k: np.ascontiguousarray(v) for k, v in data.items()}, str(out / DATA))
+    else:
+        (out / DATA).unlink(missing_ok=True)
+    meta = {"method": method, "settings": settings.to_json(), "base_model": fingerprint(base)}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     (out / "CARD.md").write_text(card)
 
@@ -85,6 +113,20 @@ def read_meta(file: Path) -> dict:
             f'{file} has no "settings" object; it is not a jaxspec drafter: retrain it'
         )
     return meta
+
+
+def read_settings(path: Path, method: str) -> tuple[DrafterSettings, dict[str, np.ndarray]]:
+    """A folder's settings as `method`'s settings class, with the data arrays its
+    drafter.json still holds inline (folders written before data files) -> (settings, data)."""
+    from jaxspec.drafters.registry import method as method_named
+
+    meta = read_meta(Path(path) / META)
+    if meta.get("method") != method:
+        raise JaxspecError(f"{path} holds a {meta.get('method')!r} drafter, not {method!r}")
+    cls = method_named(method).settings_class()
+    raw = dict(meta["settings"])
+    inline = {name: np.asarray(raw.pop(name)) for name in cls.DATA if name in raw}
+    return cls.from_json(raw, str(Path(path) / META)), inline
 
 
 def check_weights(drafter, base_params, params, path: Path) -> None:
@@ -109,28 +151,33 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
     return flatten(tree, leaf=lambda x: tuple(x.shape))
 
 
-def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32):
-    """-> (settings, params). Clear errors for missing, corrupt or mismatched drafters."""
+def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) -> StoredDrafter:
+    """Clear errors for missing, corrupt or mismatched drafters."""
     path = Path(path)
     if not (path / META).is_file() or not (path / WEIGHTS).is_file():
         raise JaxspecError(
             f"no drafter at {path} (needs {META} and {WEIGHTS}); train one with "
             f"`jaxspec-train {method}` or pass --drafter DIR"
         )
-    meta = read_meta(path / META)
-    if meta.get("method") != method:
-        raise JaxspecError(f"{path} holds a {meta.get('method')!r} drafter, not {method!r}")
-    want, have = fingerprint(base), meta.get("base_model", {})
-    shape_keys = ("vocab_size", "dim", "n_layers")
+    settings, data = read_settings(path, method)
+    have = read_meta(path / META).get("base_model", {})
+    want, shape_keys = fingerprint(base), ("vocab_size", "dim", "n_layers")
     if any(want[k] != have.get(k) for k in shape_keys):
         raise JaxspecError(
             f"drafter {path} was trained for {have.get('name')!r} "
             f"({', '.join(f'{k}={have.get(k)}' for k in shape_keys)}), not for {base.name!r}; "
             f"train one for this model with `jaxspec-train {method} --model ...`"
         )
+    params = unflatten(
+        {k: jnp.asarray(v, dtype) for k, v in _read(path / WEIGHTS, "weights").items()}
+    )
+    if (path / DATA).is_file():
+        data.update(_read(path / DATA, "data"))
+    return StoredDrafter(settings, params, data)
+
+
+def _read(file: Path, what: str) -> dict[str, np.ndarray]:
     try:
-        flat = load_file(str(path / WEIGHTS))
+        return load_file(str(file))
     except (SafetensorError, OSError) as e:
-        raise JaxspecError(f"corrupt drafter weights {path / WEIGHTS} ({e}); retrain it") from None
-    params = unflatten({k: jnp.asarray(v, dtype) for k, v in flat.items()})
-    return meta["settings"], params
+        raise JaxspecError(f"corrupt drafter {what} {file} ({e}); retrain the drafter") from None

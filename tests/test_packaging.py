@@ -1,0 +1,75 @@
+"""The built wheel: the tools install under jaxspec.tools (no top-level `train`, `infer`,
+`checkpoints_convert` or `repro` to shadow a user's modules), the shipped drafters travel as
+package data and are found there, outside any source checkout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    build = out / "src"  # a copy of the work tree: building in place would leave build/ here
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+        capture_output=True, text=True,
+    ).stdout.split("\0")  # fmt: skip
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (build / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, build / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(out), str(build)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (found,) = out.glob("jaxspec-*.whl")
+    return found
+
+
+def test_wheel_namespaces_the_tools(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith("-info")}
+    assert tops == {"jaxspec"}, tops
+    for module in ("tools/train/cli.py", "tools/infer/generate.py", "tools/train/firp.py",
+                   "tools/checkpoints_convert/cli.py", "drafters/settings.py"):  # fmt: skip
+        assert f"jaxspec/{module}" in names
+    shipped = [n for n in names if n.startswith("jaxspec/shipped_drafters/")]
+    for method in ("medusa", "firp", "chimera", "sdsat", "ppd"):
+        for file in ("drafter.json", "drafter.safetensors", "CARD.md"):
+            assert any(n.endswith(f"/{method}/{file}") for n in shipped), (method, file)
+    entry = (
+        zipfile.ZipFile(wheel)
+        .read(next(n for n in names if n.endswith("entry_points.txt")))
+        .decode()
+    )
+    assert "jaxspec-train = jaxspec.tools.train.cli:main" in entry
+
+
+def test_installed_wheel_finds_its_drafters_and_tools(wheel, tmp_path):
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = (
+        "import importlib.util, jaxspec.methods as m, jaxspec.tools.train.firp;"
+        "print(m.DRAFTERS_DIR);"
+        "print(importlib.util.find_spec('train'), importlib.util.find_spec('infer'))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    drafters, specs = run.stdout.splitlines()
+    assert Path(drafters) == site / "jaxspec" / "shipped_drafters"
+    assert (Path(drafters) / "SmolLM2-135M-Instruct" / "firp" / "drafter.json").is_file()
+    assert specs == "None None"

@@ -1,0 +1,184 @@
+"""What every drafter trainer does around its own loss, batches and parameters.
+
+`train(kind, args)` runs a `Trainer` subclass:
+
+    load the model; kind(args, model)      flags checked against the model, before any folder
+    training_run(args, work, default out)  folders checked, the work folder held
+    prepare()                              the method's data (cached) and drafter
+    start()                                fresh or --init params; the run's latest checkpoint
+    fit(manager, state)                    the steps: step() per batch, tqdm, periodic saves
+    finish(state, aux) -> Result           evaluation, searched trees, settings, report, card
+    save(result)                           the drafter folder and its card
+    measure_acceptance(...)                accepted tokens per step, added to report and card
+
+A subclass keeps only what is its method's: `prepare`, `fresh`, `step`, `finish` (and the
+class attributes below); firp (staged maps) and sdsat's full mode replace a few more hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import optax
+from tqdm import tqdm
+
+from jaxspec.checkpoint import jaxspec_home
+from jaxspec.drafters.settings import DrafterSettings
+from jaxspec.drafters.store import save_drafter
+from jaxspec.models import load_model
+
+from .acceptance import measure_acceptance
+from .args import default_out, training_run
+from .checkpoints import initial_params, resume_training, run_record, save
+from .features import answer_features, self_answers
+
+
+@dataclasses.dataclass
+class Result:
+    """What a trainer's `finish` hands back to be written and reported."""
+
+    report: dict  # printed and returned by `train`; gains "accepted_per_step" when measured
+    settings: DrafterSettings  # to drafter.json and the measurement
+    params: Any  # the drafter weights to write
+    card: str  # CARD.md
+    measure_on: dict | None = None  # test data to measure accepted tokens on; None: not measured
+    data: dict | None = None  # arrays named by the settings' DATA (drafter_data.safetensors)
+
+
+class Trainer:
+    """One training run of a drafter method; `train` drives the hooks in order."""
+
+    method: ClassVar[str]  # drafter.json's method, the default --out, the bar
+    folder: ClassVar[str | None] = None  # the work folder's name (default: `method`)
+    desc: ClassVar[str | None] = None  # the progress bar's label (default: "train METHOD")
+    show_every: ClassVar[int] = 10  # steps between progress-bar losses
+    wrote: ClassVar[str] = "wrote the drafter to {out}"  # the last line printed
+
+    def __init__(self, args, model):
+        """Subclasses check here the flags that depend on the model (before any folder)."""
+        self.args, self.model, self.cfg = args, model, model.cfg
+
+    # -- where the run writes
+    def default_work(self) -> Path:
+        return jaxspec_home() / "train" / self.cfg.name / (self.folder or self.method)
+
+    def default_out(self) -> Path:
+        return default_out(self.args, self.method, self.cfg.name)
+
+    @property
+    def shared(self) -> Path:
+        """The model's training folder (--work-dir when given): the self-distillation answers
+        and features every trainer shares."""
+        return self.args.work_dir or jaxspec_home() / "train" / self.cfg.name
+
+    def answers(self, features: bool = False) -> tuple[dict, dict]:
+        """(train, test): the model's own greedy answers to --train-seqs train-split and
+        --test-seqs test-split prompts, with `features` their last-layer states too, cached
+        in the shared folder."""
+        load, args = answer_features if features else self_answers, self.args
+
+        def split(name: str, n: int) -> dict:
+            return load(self.model, self.shared, name, n, args.prompt_len, args.new_tokens)
+
+        return split("train", args.train_seqs), split("test", args.test_seqs)
+
+    # -- the method's part
+    def prepare(self) -> None:
+        """Data and drafter, kept on self."""
+        raise NotImplementedError
+
+    def make_optimizer(self):
+        """AdamW, cosine decay from --lr over --steps."""
+        return optax.adamw(
+            optax.cosine_decay_schedule(self.args.lr, self.args.steps), weight_decay=0.0
+        )
+
+    def fresh(self):
+        """A new drafter's params."""
+        raise NotImplementedError
+
+    def start(self):
+        """-> (checkpoint manager, {"params", "opt_state", "step"}): the run's latest saved
+        state, else `fresh()` (or --init's weights) with a new optimizer state."""
+        params = initial_params(self.args, self.method, self.cfg, self.fresh())
+        return resume_training(self.work, self.args, params, self.optimizer)
+
+    def step(self, state, step: int):
+        """Batch `step` and one update -> (state, aux: what `shown` and `finish` read)."""
+        raise NotImplementedError
+
+    def shown(self, aux) -> dict:
+        """The progress bar's postfix for aux."""
+        return {}
+
+    def finish(self, state, aux) -> Result:
+        """Evaluation, settings, report and card from the trained state (aux: the last step's,
+        None when this invocation trained no step)."""
+        raise NotImplementedError
+
+    # -- the skeleton
+    def run(self, work: Path, out: Path) -> dict:
+        """The hooks in order (module docstring), writing to `out`, `work` held -> report."""
+        self.work, self.out = work, out
+        self.start_time = time.perf_counter()
+        self.prepare()
+        self.optimizer = self.make_optimizer()
+        manager, state = self.start()
+        self.first_step = int(state["step"])
+        state, aux = self.fit(manager, state)
+        manager.wait_until_finished()
+        result = self.finish(state, aux)
+        self.save(result)
+        report = result.report
+        if result.measure_on is not None:
+            report["accepted_per_step"] = measure_acceptance(
+                self.model, self.method, out, result.settings, result.measure_on
+            )
+        print(json.dumps(report, indent=2))
+        print(self.wrote.format(out=out))
+        return report
+
+    def fit(self, manager, state):
+        """Steps from the state's to --steps, each saved on the --save-every interval and the
+        last one always -> (state, the last step's aux or None)."""
+        steps, aux = self.args.steps, None
+        desc = self.desc or f"train {self.method}"
+        bar = tqdm(range(int(state["step"]), steps), desc=desc, unit="step")
+        for step in bar:
+            state, aux = self.step(state, step)
+            if (step + 1) % self.show_every == 0 and (postfix := self.shown(aux)):
+                bar.set_postfix(**postfix)
+            save(manager, step + 1, state, last=step + 1 == steps)
+        return state, aux
+
+    def save(self, result: Result) -> None:
+        save_drafter(self.out, self.method, result.settings, result.params, self.cfg, result.card,
+                     result.data)  # fmt: skip
+
+    def minutes(self, before: float = 0.0) -> float:
+        """Minutes since the run began, plus `before`, rounded for reports."""
+        return round((time.perf_counter() - self.start_time) / 60 + before, 1)
+
+    def record(self, measured, minutes: bool = True) -> dict:
+        """The run record (checkpoints.run_record): when this invocation trained, updated
+        with measured() (the final losses) and, with `minutes`, the training minutes of all
+        its invocations; a rerun after the last step reports the recorded ones."""
+        record = run_record(self.work, self.args)
+        if self.first_step < self.args.steps:
+            update = measured()
+            if minutes:
+                update["train_minutes"] = self.minutes(record.get("train_minutes", 0.0))
+            record = run_record(self.work, self.args, update)
+        return record
+
+
+def train(kind: type[Trainer], args) -> dict:
+    """Train with `kind` for the parsed `args` -> its report."""
+    trainer = kind(args, load_model(args.model))
+    work = args.work_dir or trainer.default_work()
+    with training_run(args, work, trainer.default_out()) as out:
+        return trainer.run(work, out)
