@@ -21,6 +21,7 @@ from jaxspec.cli import (
     seed,
     temperature,
 )
+from jaxspec.decode import PRODUCTS
 from jaxspec.drafters.registry import REGISTRY, parse_row
 from jaxspec.errors import JaxspecError
 from jaxspec.models import DTYPES
@@ -85,6 +86,11 @@ def parse_args(argv=None):
         default="float32",
         help="weight dtype of every row; a row named METHOD:DTYPE (e.g. ar:float32) uses its own",
     )
+    p.add_argument(
+        "--products", choices=PRODUCTS, default="exact",
+        help="how every row's bfloat16 weights multiply: exact (the default), plain-prefill "
+        "or plain (one bfloat16 pass in the prefill, or everywhere)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -137,7 +143,7 @@ def _main(argv) -> None:
         per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         drafters=parse_drafters(args.drafter, rows), single_turn=args.single_turn,
         sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
-        ppd_k=args.ppd_k, dtype=args.dtype,
+        ppd_k=args.ppd_k, dtype=args.dtype, products=args.products,
         command="jaxspec-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     )  # fmt: skip
     write_results(result, paths)

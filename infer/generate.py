@@ -18,6 +18,7 @@ from jaxspec.cli import (
     seed,
     temperature,
 )
+from jaxspec.decode import PRODUCTS
 from jaxspec.errors import JaxspecError
 from jaxspec.methods import SDSAT_LOOPS, provide_devices_for
 from jaxspec.models import DTYPES, load_model
@@ -80,6 +81,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--max-len", type=positive_int, help="cache length limit (default: the model's context)"
     )
+    p.add_argument(
+        "--products", choices=PRODUCTS, default="exact",
+        help="how bfloat16 weights multiply: exact (float32-accurate, the default), one "
+        "bfloat16 pass in the prefill only (plain-prefill) or everywhere (plain)",
+    )  # fmt: skip
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return p.parse_args(argv)
@@ -95,7 +101,7 @@ def _main(argv) -> None:
     prompts = [read_prompt(p) for p in args.prompts]
     generator = Generator(
         load_model(args.model, args.dtype), args.method, drafter=args.drafter, tree=args.tree,
-        max_len=args.max_len, chat=not args.no_chat, ppd_k=args.ppd_k,
+        max_len=args.max_len, products=args.products, chat=not args.no_chat, ppd_k=args.ppd_k,
         ppd_layer=args.ppd_layer, firp_chains=args.firp_chains, sdsat_loop=args.sdsat_loop,
     )  # fmt: skip
     sampling = dict(

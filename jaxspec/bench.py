@@ -55,11 +55,13 @@ def run_benchmark(
     seed: int = 0,
     ppd_k: int | None = None,
     dtype: str = "float32",
+    products: str = "exact",
     command: str = "",
 ) -> dict:
     """Every row on the questions ('humaneval', 'sharegpt-test' or a Spec-Bench .jsonl) ->
     the result record (per-row and per-category tokens/s, speedup over "ar", mean accepted
-    tokens, match_ar). drafters: method -> drafter folder replacing the shipped one."""
+    tokens, match_ar). drafters: method -> drafter folder replacing the shipped one;
+    products: how every row's bfloat16 weights multiply (jaxspec.decode.PRODUCTS)."""
     methods = check_rows(rows)
     drafters = drafters or {}
     sampling = sampling or Sampling()
@@ -79,7 +81,9 @@ def run_benchmark(
     base = model_for("ar")
     if not sampling.greedy and "hf" in methods:
         raise JaxspecError("the hf peer row is greedy only: drop it or set --temperature 0")
-    runners = {m: Runner(m, model_for(m), sampling, seed, ppd_k, drafters) for m in methods}
+    runners = {
+        m: Runner(m, model_for(m), sampling, seed, ppd_k, drafters, products) for m in methods
+    }
     records, turns = _play(runners, base.tokenizer, chosen, max_new_tokens, single_turn)
     references = {m: match_reference(m, dtype, methods) for m in methods}
     overall, categories = summarize(records, methods, references)
@@ -97,6 +101,7 @@ def run_benchmark(
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
         "dtype": dtype,
+        "products": products,
         "drafters": {m: str(folder) for m, folder in drafters.items()},
         "methods": overall,
         "categories": categories,
@@ -140,7 +145,7 @@ class Runner:
 
     def __init__(
         self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=None,
-        drafters: dict[str, Path] | None = None,
+        drafters: dict[str, Path] | None = None, products: str = "exact",
     ):  # fmt: skip
         self.name, self.seed = name, seed
         if name == "hf":
@@ -153,7 +158,7 @@ class Runner:
                 options["ppd_k"] = ppd_k
             drafter_dir = (drafters or {}).get(method)  # None: the shipped drafter
             self.generator = build_generator(
-                model, method, drafter_dir, sampling=sampling, **options
+                model, method, drafter_dir, sampling=sampling, products=products, **options
             )
 
     def generate(self, prompt_ids, max_new_tokens):

@@ -23,7 +23,14 @@ from jaxspec.drafters.base import Drafter, DraftInputs, Entered, NoDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
-from jaxspec.llama import embed, final_norm, lm_logits, vocab_projection
+from jaxspec.llama import (
+    embed,
+    final_norm,
+    lm_logits,
+    plain_products,
+    run_layers,
+    vocab_projection,
+)
 from jaxspec.sampling import Sampling, check_seed, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
@@ -34,10 +41,22 @@ from jaxspec.verify import (
     tree_tokens,
 )
 
+# Prompts longer than this are prefilled in chunks of this many tokens (one program per
+# chunk size, whatever the prompt's length): a one-shot prefill of T tokens holds a
+# [heads, T, T] float32 score tensor per layer, which a 32k prompt cannot fit anywhere.
+PREFILL_CHUNK = {"cpu": 512, "gpu": 2048, "tpu": 2048}
+
 # Verify rows + drafter rows projected together up to this many rows per batch row: on
 # XLA:CPU a [rows, D] x [D, V] product costs about the same from 2 to ~16 rows and ~1.6x
 # that at 32, so one read of the [V, D] matrix beats two up to here.
 FUSED_ROWS = 32
+
+# How bfloat16 weights multiply (layers.dense): "exact" everywhere (float32-accurate, a row's
+# result independent of the rows beside it: the verify step's tokens are AR's); one
+# bfloat16 pass in the prefill only ("plain-prefill": AR and every method share the
+# prefill, so match_ar holds), or everywhere ("plain": whether greedy outputs still match
+# AR is for the device campaign to measure).
+PRODUCTS = ("exact", "plain-prefill", "plain")
 
 
 def _collected_layers(drafter: Drafter, cfg: LlamaConfig) -> tuple[int, ...]:
@@ -96,30 +115,52 @@ def available_bytes() -> tuple[int, str]:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host"
 
 
+@partial(jax.jit, static_argnames=("cfg", "drafter"), donate_argnames=("state",))
+def extend_prompt(params, drafter_params, cache, tokens, counts, following, state, *, cfg, drafter):
+    """A chunk of a long prompt: tokens [B,C] (the first counts [B] valid; 0: the row's
+    prompt is already in) after the cache's, followed by the prompt tokens `following` [B]
+    -> the chunk's KVBlock (commit `counts` of it) and the drafter's state after it."""
+    B, C = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(C)
+    _, block, states = run_layers(
+        params, cfg, embed(params, tokens), positions, cache, causal_mask(B, C),
+        collect=_collected_layers(drafter, cfg),
+    )  # fmt: skip
+    entered = Entered(tokens, cache.lengths, counts, states)
+    no_steps = jnp.zeros((B, 1), jnp.int32)
+    inputs = DraftInputs({}, following, cache.lengths + counts, no_steps, counts * 0, None,
+                         entered, state)  # fmt: skip
+    return block, drafter.advance(params, drafter_params, inputs)
+
+
 @partial(
     jax.jit, static_argnames=("cfg", "sampling", "tree", "drafter"), donate_argnames=("state",)
 )
 def prefill_and_draft(
-    params, drafter_params, tokens, lengths, key, state, *, cfg, sampling, tree, drafter
-):
+    params, drafter_params, tokens, lengths, key, state, cache=None, *, cfg, sampling, tree,
+    drafter,
+):  # fmt: skip
     """tokens [B,P] right-padded, lengths [B] -> first token [B], candidates [B,T-1], the
-    prompt's KVBlock (commit `lengths` of it), the drafter's state."""
+    prompt's KVBlock (commit `lengths` of it), the drafter's state. With `cache`, the
+    tokens follow the prompt part already in it (a long prompt's last chunk)."""
     B, P = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(P), (B, P))
+    start = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+    positions = start[:, None] + jnp.arange(P)
     collect = _collected_layers(drafter, cfg)
     last = (lengths - 1)[:, None]  # [B,1]
     _, block, states, drafted = drafter.run_model(
-        params, drafter_params, cfg, embed(params, tokens), positions, None,
+        params, drafter_params, cfg, embed(params, tokens), positions, cache,
         causal_mask(B, P), last, collect, tree.max_depth,
     )  # fmt: skip
-    entered = Entered(tokens, jnp.zeros((B,), jnp.int32), lengths, states)
+    entered = Entered(tokens, start, lengths, states)
     h_at = {i: jnp.take_along_axis(h, last[:, :, None], axis=1)[:, 0] for i, h in states.items()}
     last_logits = lm_logits(params, cfg, h_at[cfg.n_layers][:, None])[:, 0]
-    current = select_tokens(last_logits, position_keys(key, lengths), sampling)
+    position = start + lengths  # the first new token's
+    current = select_tokens(last_logits, position_keys(key, position), sampling)
     emitted = jnp.zeros((B, tree.max_depth + 1), jnp.int32).at[:, 0].set(current)
     one = jnp.ones((B,), jnp.int32)
     drafted = None if drafted is None else drafted[:, 0]
-    inputs = DraftInputs(h_at, current, lengths, emitted, one, drafted, entered, state)
+    inputs = DraftInputs(h_at, current, position, emitted, one, drafted, entered, state)
     candidates, state = _draft(drafter, params, drafter_params, tree, inputs, key)
     return current, candidates, block, state
 
@@ -215,13 +256,22 @@ class SpeculativeGenerator:
         tree: TreeSpec | None = None,
         sampling: Sampling | None = None,
         max_len: int | None = None,
+        prefill_chunk: int | None = None,
+        products: str = "exact",
     ):
+        """prefill_chunk: prompts longer than this many tokens are prefilled in chunks of
+        it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS."""
+        if products not in PRODUCTS:
+            raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
+        params = plain_products(params) if products == "plain" else params
+        self.prefill_params = plain_products(params) if products == "plain-prefill" else params
         self.cfg, self.params = cfg, params
         self.drafter = drafter or NoDrafter()
         self.drafter_params = drafter_params
         self.tree = tree or TreeSpec(())
         self.sampling = sampling or Sampling()
         self.max_len = max_len or cfg.max_position
+        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 2048)
         check_tree_width(self.tree, cfg)
         self.drafter.check_tree(self.tree)
         self.drafter_state = None
@@ -243,6 +293,15 @@ class SpeculativeGenerator:
         fix = " or use a shallower tree" if self.tree.max_depth else ""
         return cache_len(prompt_len, max_new_tokens, ahead, self.max_len, why, fix)
 
+    def shapes(self, prompt_len: int, max_new_tokens: int) -> tuple[bool, int, int]:
+        """What a request compiles for -> (whether its prompt is prefilled in chunks, the
+        prefill's width: the prompt bucket or the chunk size, the cache length). Programs
+        are compiled once per distinct value (and batch size)."""
+        S = self.cache_len(prompt_len, max_new_tokens)
+        if self.prefill_chunk < prompt_len:
+            return True, self.prefill_chunk, S
+        return False, min(bucket(prompt_len, MIN_PROMPT_BUCKET), S), S
+
     def check_memory(self, batch: int, cache_len: int) -> None:
         """Refuse, before allocating, a step that would not fit in the memory available."""
         need = step_bytes(self.cfg, self.tree.n_nodes, batch, cache_len)
@@ -255,50 +314,88 @@ class SpeculativeGenerator:
                 "--max-new-tokens"
             )
 
-    def _programs(self, pre_args, cache: KVCache) -> tuple[tuple[Callable, ...], float]:
-        """AOT-compiled (prefill, step, commit prompt, commit path, redraft or None) for
-        this prompt bucket and cache length -> (programs, compile seconds; 0 when already
-        compiled)."""
-        key = (pre_args[2].shape, cache.max_len)
-        if key in self._executables:
-            return self._executables[key], 0.0
-        start = time.perf_counter()
+    def lowerings(self, pre_args, cache: KVCache) -> dict[str, tuple[Callable, tuple, dict]]:
+        """The jitted programs a generation with these prefill arguments and this cache
+        runs -> name: (program, arguments, static keywords) to lower it with (arrays or
+        ShapeDtypeStructs): prefill, step, commit_prompt, commit_path; extend (a long
+        prompt's chunks) when the prefill follows a cache; redraft for drafters that draft
+        from the cache."""
         static = self._static
-        prefill = prefill_and_draft.lower(*pre_args, **static).compile()
         first, candidates, prompt_block, state = jax.eval_shape(
             partial(prefill_and_draft, **static), *pre_args
         )
-        step_args = (self.params, self.drafter_params, cache, first, candidates, pre_args[4])
-        step = speculative_step.lower(*step_args, state, **static).compile()
-        *_, path_block, _ = jax.eval_shape(partial(speculative_step, **static), *step_args, state)
+        step_args = (self.params, self.drafter_params, cache, first, candidates, pre_args[4], state)
+        *_, path_block, _ = jax.eval_shape(partial(speculative_step, **static), *step_args)
         lengths = pre_args[3]
-        commit_prompt = commit.lower(cache, prompt_block, lengths).compile()
-        commit_path = commit.lower(cache, path_block, lengths).compile()
-        drafts = None
+        plan = {
+            "prefill": (prefill_and_draft, pre_args, static),
+            "step": (speculative_step, step_args, static),
+            "commit_prompt": (commit, (cache, prompt_block, lengths), {}),
+            "commit_path": (commit, (cache, path_block, lengths), {}),
+        }
+        if pre_args[6] is not None:
+            chunk_args = (pre_args[0], self.drafter_params, cache, pre_args[2], lengths, lengths,
+                          pre_args[5])  # fmt: skip
+            plan["extend"] = (extend_prompt, chunk_args, dict(cfg=self.cfg, drafter=self.drafter))
         if self.drafter.drafts_from_cache:
-            drafts = redraft.lower(
-                self.params, self.drafter_params, cache, first, tree=self.tree,
-                drafter=self.drafter,
-            ).compile()  # fmt: skip
-        programs = (prefill, step, commit_prompt, commit_path, drafts)
+            redraft_args = (self.params, self.drafter_params, cache, first)
+            plan["redraft"] = (redraft, redraft_args, dict(tree=self.tree, drafter=self.drafter))
+        return plan
+
+    def example_inputs(self, batch: int, prompt_bucket: int, cache_len: int, chunked=False):
+        """(prefill arguments, cache) of a generation of `batch` prompts in a prompt_bucket
+        (chunked: the last chunk of a long prompt, after a cache) and a cache_len-slot
+        cache, as generate_batch makes them (zero tokens)."""
+        tokens = np.zeros((batch, prompt_bucket), np.int32)
+        lengths = jnp.ones((batch,), jnp.int32)
+        state = self.drafter.init_state(
+            self.cfg, batch, cache_len, jnp.float32, self.drafter_params
+        )
+        cache = init_cache(self.cfg, batch, cache_len)
+        pre_args = (self.prefill_params, self.drafter_params, tokens, lengths, jax.random.key(0),
+                    state, cache if chunked else None)  # fmt: skip
+        return pre_args, cache
+
+    def _programs(self, pre_args, cache: KVCache) -> tuple[dict[str, Callable], float]:
+        """AOT-compiled programs (`lowerings`) for this prompt bucket, prefill kind and cache
+        length -> (name: executable, compile seconds; 0 when already compiled)."""
+        key = (pre_args[2].shape, pre_args[6] is not None, cache.max_len)
+        if key in self._executables:
+            return self._executables[key], 0.0
+        start = time.perf_counter()
+        programs = {
+            name: program.lower(*args, **static).compile()
+            for name, (program, args, static) in self.lowerings(pre_args, cache).items()
+        }
         self._warm_up(programs, pre_args, cache.max_len)
         self._executables[key] = programs
         return programs, time.perf_counter() - start
 
-    def _warm_up(self, programs, pre_args, max_len: int) -> None:
+    def _warm_up(self, programs: dict[str, Callable], pre_args, max_len: int) -> None:
         """Run fresh executables once on throwaway inputs: on XLA:CPU an executable's first
         run costs several later ones (a prefill 0.4-0.6 s instead of 0.06-0.09 s), a
         one-time cost that belongs with compilation, not with generation."""
-        prefill, step, commit_prompt, commit_path, redraft_program = programs
-        params, dp, tokens, lengths, key, _ = pre_args
-        B = tokens.shape[0]
+        prefill_params, dp, tokens, lengths, key, _, prefix = pre_args
+        params, B = self.params, tokens.shape[0]
         state = self.drafter.init_state(self.cfg, B, max_len, jnp.float32, dp)
-        current, candidates, block, state = prefill(params, dp, tokens, lengths, key, state)
-        cache = commit_prompt(init_cache(self.cfg, B, max_len), block, lengths)
-        if redraft_program is not None:
-            candidates = redraft_program(params, dp, cache, current)
-        _, n, *_, block, state = step(params, dp, cache, current, candidates, key, state)
-        jax.block_until_ready(commit_path(cache, block, _only_active(n, np.ones(B, bool))))
+        cache = init_cache(self.cfg, B, max_len)
+        if "extend" in programs:
+            block, state = programs["extend"](
+                prefill_params, dp, cache, tokens, lengths, lengths, state
+            )
+            cache = programs["commit_prompt"](cache, block, lengths)
+        current, candidates, block, state = programs["prefill"](
+            prefill_params, dp, tokens, lengths, key, state, cache if prefix is not None else None
+        )
+        cache = programs["commit_prompt"](cache, block, lengths)
+        if "redraft" in programs:
+            candidates = programs["redraft"](params, dp, cache, current)
+        _, n, *_, block, state = programs["step"](
+            params, dp, cache, current, candidates, key, state
+        )
+        jax.block_until_ready(
+            programs["commit_path"](cache, block, _only_active(n, np.ones(B, bool)))
+        )
 
     def generate(
         self,
@@ -329,21 +426,22 @@ class SpeculativeGenerator:
         B, P = len(prompts), max(len(p) for p in prompts)
         for p in prompts:
             self.cache_len(len(p), max_new_tokens)  # clear errors for empty/too long prompts
-        S = self.cache_len(P, max_new_tokens)
+        chunked, width, S = self.shapes(P, max_new_tokens)
         self.check_memory(B, S)
-        Pb = min(bucket(P, MIN_PROMPT_BUCKET), S)
-        tokens = np.zeros((B, Pb), np.int32)
-        for row, p in enumerate(prompts):
-            tokens[row, : len(p)] = p
+        if chunked:
+            chunks, (tokens, tail) = _prompt_chunks(prompts, width)
+        else:
+            chunks, (tokens, tail) = [], _padded(prompts, width)
         cache = init_cache(self.cfg, B, S)
         key = jax.random.key(check_seed(seed))
-        lengths = jnp.array([len(p) for p in prompts], jnp.int32)
+        lengths = jnp.asarray(tail)
         dp = self.drafter_params
 
         state = self.drafter.init_state(self.cfg, B, S, jnp.float32, dp)
-        pre_args = (self.params, dp, tokens, lengths, key, state)
+        pre_args = (self.prefill_params, dp, tokens, lengths, key, state, cache if chunks else None)
         programs, compile_s = self._programs(pre_args, cache)
-        run_prefill, run_step, commit_prompt, commit_path, run_redraft = programs
+        run_step, commit_path = programs["step"], programs["commit_path"]
+        run_redraft, commit_prompt = programs.get("redraft"), programs["commit_prompt"]
 
         eos = set(self.cfg.eos_token_ids)
         outs: list[list[int]] = [[] for _ in range(B)]
@@ -358,7 +456,13 @@ class SpeculativeGenerator:
                 on_tokens(row, new)
 
         start = time.perf_counter()
-        current, candidates, block, state = run_prefill(*pre_args)
+        for chunk, counts, following in chunks:
+            block, state = programs["extend"](self.prefill_params, dp, cache, chunk, counts,
+                                              following, state)  # fmt: skip
+            cache = commit_prompt(cache, block, counts)
+        current, candidates, block, state = programs["prefill"](
+            self.prefill_params, dp, tokens, lengths, key, state, cache if chunks else None
+        )
         cache = commit_prompt(cache, block, lengths)
         for row, token in enumerate(np.asarray(current).tolist()):
             take(row, [token])
@@ -392,6 +496,31 @@ class SpeculativeGenerator:
             GenerationResult(list(p), out, n_steps, prefill_s, decode_s, compile_s)
             for p, out, n_steps in zip(prompts, outs, steps, strict=True)
         ]
+
+
+def _padded(prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (tokens [B,width] right-padded, lengths [B])."""
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, p in enumerate(prompts):
+        tokens[row, : len(p)] = p
+    return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
+def _prompt_chunks(prompts: list[list[int]], C: int):
+    """Prompts, the longest over C tokens -> (the chunks before each row's last: a list of
+    (tokens [B,C], counts [B], the token following each row's part [B]), (the last chunk's
+    tokens [B,C], their counts [B])). Row r's last chunk starts at the multiple of C below
+    its length, so all rows move through the same chunk positions."""
+    full, lengths = _padded(prompts, (max(map(len, prompts)) // C + 1) * C + 1)
+    heads = (lengths - 1) // C * C  # [B] tokens before each row's last chunk
+    rows = np.arange(len(prompts))
+    chunks = []
+    for start in range(0, int(heads.max()), C):
+        counts = np.where(heads > start, C, 0).astype(np.int32)
+        following = full[rows, np.minimum(start, heads) + counts]
+        chunks.append((full[:, start : start + C], counts, following))
+    last = np.stack([full[r, h : h + C] for r, h in zip(rows, heads, strict=True)])
+    return chunks, (last, (lengths - heads).astype(np.int32))
 
 
 @jax.jit

@@ -7,6 +7,7 @@ reproduce exactly, so every decoder samples through it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -94,18 +95,22 @@ def _keep_nucleus(logits: jax.Array, top_p: float) -> jax.Array:
     slowly, so there, row by row, the nucleus is sought among the top
     NUCLEUS_CANDIDATES tokens (only they are sorted, by jax.lax.top_k), then among more,
     and the whole row is sorted only when its nucleus is wider still (a flat row at high
-    temperature)."""
-    if not _sorting_is_slow():
-        return _sorted_nucleus(logits, top_p)
+    temperature). The choice is the lowering platform's (a program exported for cuda or
+    tpu from a CPU host carries the sorting path), not the host's."""
+    return jax.lax.platform_dependent(
+        logits,
+        cpu=functools.partial(_candidate_nucleus, top_p=top_p),
+        default=functools.partial(_sorted_nucleus, top_p=top_p),
+    )
+
+
+def _candidate_nucleus(logits: jax.Array, top_p: float) -> jax.Array:
+    """_keep_nucleus row by row among growing top-k candidate sets (the CPU path)."""
     V = logits.shape[-1]
     sizes = tuple(n for n in NUCLEUS_CANDIDATES if n < V)
     rows = logits.reshape(-1, V)
     kept = jax.lax.map(lambda row: _row_nucleus(row, jax.nn.logsumexp(row), top_p, sizes), rows)
     return kept.reshape(logits.shape)
-
-
-def _sorting_is_slow() -> bool:
-    return jax.default_backend() == "cpu"
 
 
 def _sorted_nucleus(logits: jax.Array, top_p: float) -> jax.Array:

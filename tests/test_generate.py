@@ -123,14 +123,15 @@ def test_warping_matches_hf_logits_processors(s):
     np.testing.assert_allclose(ours, ref, atol=1e-6)
 
 
-@pytest.mark.parametrize("sorting_is_slow", [True, False])
-def test_nucleus_among_top_candidates_or_whole_vocabulary_matches_hf(monkeypatch, sorting_is_slow):
-    """top_p alone: where sorting is slow (XLA:CPU) each row's nucleus is sought among its
-    top 2, then top 8 tokens, then the whole vocabulary, and rows below need each of the
-    three (they keep 1, 5 and > 8 tokens); elsewhere every row is sorted whole."""
+@pytest.mark.parametrize("path", ["_candidate_nucleus", "_sorted_nucleus"])
+def test_nucleus_among_top_candidates_or_whole_vocabulary_matches_hf(monkeypatch, path):
+    """top_p alone: on CPU each row's nucleus is sought among its top 2, then top 8 tokens,
+    then the whole vocabulary, and rows below need each of the three (they keep 1, 5 and
+    > 8 tokens); elsewhere every row is sorted whole. (tests/test_export.py checks which
+    path each platform's program holds.)"""
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    monkeypatch.setattr(sampling, "_sorting_is_slow", lambda: sorting_is_slow)
+    monkeypatch.setattr(sampling, "_keep_nucleus", getattr(sampling, path))
     monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (2, 8))
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(2, 3, 50)).astype(np.float32)

@@ -1,0 +1,128 @@
+"""Every compiled program of decoding lowers for CUDA and TPU from this CPU host
+(jax.export), with nothing on it that only a CPU host runs (`pytest -k export`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxspec import export, sampling
+from jaxspec.config import preset
+from jaxspec.decode import SpeculativeGenerator
+from jaxspec.drafters.chimera import ChimeraSettings
+from jaxspec.drafters.firp import FirpSettings
+from jaxspec.drafters.medusa import MedusaSettings
+from jaxspec.drafters.sdsat import SdsatSettings
+from jaxspec.llama import compute_params, init_params
+from jaxspec.methods import make_drafter
+from jaxspec.ppd import PpdGenerator
+from jaxspec.sampling import Sampling
+from jaxspec.tree import tree_preset
+
+CFG = dataclasses.replace(preset("tiny-gqa"), n_layers=4)
+SETTINGS = {
+    "ar": None,
+    "medusa": MedusaSettings(n_heads=2),
+    "firp": FirpSettings(layers=(2, 4), chains=2),
+    "chimera": ChimeraSettings(n_heads=2),
+    "sdsat": SdsatSettings(rank=2),
+}
+# a chain, and a branching tree (with sampling: plain and typical acceptance)
+CASES = [
+    ("chain-2", Sampling()),
+    ("comb-2-2", Sampling()),
+    ("comb-2-2", Sampling(0.8, top_p=0.9)),
+    ("comb-2-2", Sampling(0.8, typical=0.2)),
+]
+DATA = {"firp": {"test_topk_accuracy": jnp.array([[0.5, 0.7], [0.3, 0.5]])}}
+
+
+@functools.cache
+def params():
+    return init_params(CFG, jax.random.key(0))
+
+
+def generator(method: str, tree: str, how: Sampling, **options) -> SpeculativeGenerator:
+    if method == "ar":
+        return SpeculativeGenerator(CFG, params(), sampling=how)
+    spec = tree_preset(tree)
+    drafter = make_drafter(method, CFG, SETTINGS[method], **options)
+    weights = drafter.init(params(), jax.random.key(1))
+    weights = drafter.prepare(params(), weights, DATA.get(method, {}))
+    drafter = drafter.for_tree(spec, SETTINGS[method], DATA.get(method, {}))
+    return SpeculativeGenerator(CFG, params(), drafter, weights, spec, how)
+
+
+@pytest.mark.parametrize("tree, how", CASES, ids=lambda x: getattr(x, "label", None) or str(x))
+@pytest.mark.parametrize("method", list(SETTINGS))
+def test_export_decoding_programs(method, tree, how):
+    gen = generator(method, tree, how)
+    plan = gen.lowerings(*gen.example_inputs(2, 16, 64))
+    if tree != "comb-2-2" or not how.greedy:  # the rest do not depend on tree or sampling
+        plan = {"step": plan["step"]}
+    exported = export.export_all(plan)
+    assert {p for programs in exported.values() for p in programs} == set(export.ACCELERATORS)
+    if method == "sdsat" and "redraft" in plan:
+        assert "redraft" in exported  # SDSAT's draft step, a program of its own
+
+
+@pytest.mark.parametrize("method", ["ar", "chimera"])
+def test_export_chunked_prefill_with_plain_products(method):
+    """A long prompt's chunk programs (extend, the last chunk's prefill after the cache),
+    with bfloat16 weights multiplied in one pass in the prefill."""
+    gen = generator(method, "comb-2-2", Sampling())
+    bf16 = compute_params(params(), jnp.bfloat16)
+    gen = SpeculativeGenerator(CFG, bf16, gen.drafter, gen.drafter_params, gen.tree,
+                               products="plain-prefill", prefill_chunk=16)  # fmt: skip
+    plan = gen.lowerings(*gen.example_inputs(2, 16, 64, chunked=True))
+    exported = export.export_all({k: plan[k] for k in ("extend", "prefill")})
+    assert "bf16" in exported["extend"]["cuda"].mlir_module()
+
+
+def test_export_sdsat_one_forward_and_its_draft_step():
+    two = generator("sdsat", "comb-2-2", Sampling())
+    assert "redraft" in two.lowerings(*two.example_inputs(1, 16, 64))
+    one = generator("sdsat", "chain-2", Sampling(), sdsat_loop="one-forward")
+    plan = one.lowerings(*one.example_inputs(1, 16, 64))
+    assert "redraft" not in plan
+    export.export_all({"step": plan["step"]})
+
+
+def test_export_ppd_programs():
+    gen = PpdGenerator(CFG, params(), k=2, layer=2, devices=jax.devices()[:3])
+    exported = export.export_all(gen.lowerings(16, 64))
+    assert {"prefill", "sub_process_layers", "early_top", "commit_round"} <= set(exported)
+
+
+def test_export_nucleus_takes_the_lowering_platforms_path():
+    """The top-p filter's path is the target platform's, not the host's: the CPU program
+    searches candidates row by row (a while loop), the CUDA and TPU ones sort every row."""
+
+    @jax.jit
+    def keep(logits):
+        return sampling._keep_nucleus(logits, 0.9)
+
+    logits = jax.ShapeDtypeStruct((2, 3, 5000), jnp.float32)
+    text = {p: jax.export.export(keep, platforms=[p])(logits).mlir_module() for p in
+            ("cpu", *export.ACCELERATORS)}  # fmt: skip
+    assert "stablehlo.while" in text["cpu"]
+    for p in export.ACCELERATORS:
+        assert "stablehlo.while" not in text[p] and "stablehlo.sort" in text[p], p
+
+
+def test_export_refuses_host_callbacks():
+    """The check fails on a program that calls back into the host."""
+
+    @jax.jit
+    def with_callback(x):
+        back = jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return back + 1
+
+    for p in export.ACCELERATORS:
+        with pytest.raises(export.NotPortable):
+            export.export(with_callback, (jnp.ones(3),), {}, p)
+    export.export(jax.jit(lambda x: x + 1), (jnp.ones(3),), {}, "cuda")  # the same, no callback
