@@ -31,6 +31,7 @@ from jaxspec.llama import (
     run_layers,
     vocab_projection,
 )
+from jaxspec.mesh import shard_cache
 from jaxspec.sampling import Sampling, check_seed, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
@@ -44,7 +45,9 @@ from jaxspec.verify import (
 # Prompts longer than this are prefilled in chunks of this many tokens (one program per
 # chunk size, whatever the prompt's length): a one-shot prefill of T tokens holds a
 # [heads, T, T] float32 score tensor per layer, which a 32k prompt cannot fit anywhere.
-PREFILL_CHUNK = {"cpu": 512, "gpu": 2048, "tpu": 2048}
+# Smaller chunks cost more (each attends over the whole cache buffer): per platform, for
+# the device campaign to tune (docs/design.md, Long prompts).
+PREFILL_CHUNK = {"cpu": 2048, "gpu": 2048, "tpu": 2048}
 
 # Verify rows + drafter rows projected together up to this many rows per batch row: on
 # XLA:CPU a [rows, D] x [D, V] product costs about the same from 2 to ~16 rows and ~1.6x
@@ -258,14 +261,16 @@ class SpeculativeGenerator:
         max_len: int | None = None,
         prefill_chunk: int | None = None,
         products: str = "exact",
+        mesh=None,
     ):
         """prefill_chunk: prompts longer than this many tokens are prefilled in chunks of
-        it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS."""
+        it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS; mesh: the
+        jax.sharding.Mesh that `params` are placed on (jaxspec.mesh), None: one device."""
         if products not in PRODUCTS:
             raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
         params = plain_products(params) if products == "plain" else params
         self.prefill_params = plain_products(params) if products == "plain-prefill" else params
-        self.cfg, self.params = cfg, params
+        self.cfg, self.params, self.mesh = cfg, params, mesh
         self.drafter = drafter or NoDrafter()
         self.drafter_params = drafter_params
         self.tree = tree or TreeSpec(())
@@ -292,6 +297,10 @@ class SpeculativeGenerator:
         )
         fix = " or use a shallower tree" if self.tree.max_depth else ""
         return cache_len(prompt_len, max_new_tokens, ahead, self.max_len, why, fix)
+
+    def _new_cache(self, batch: int, cache_len: int) -> KVCache:
+        cache = init_cache(self.cfg, batch, cache_len)
+        return cache if self.mesh is None else shard_cache(cache, self.mesh)
 
     def shapes(self, prompt_len: int, max_new_tokens: int) -> tuple[bool, int, int]:
         """What a request compiles for -> (whether its prompt is prefilled in chunks, the
@@ -351,7 +360,7 @@ class SpeculativeGenerator:
         state = self.drafter.init_state(
             self.cfg, batch, cache_len, jnp.float32, self.drafter_params
         )
-        cache = init_cache(self.cfg, batch, cache_len)
+        cache = self._new_cache(batch, cache_len)
         pre_args = (self.prefill_params, self.drafter_params, tokens, lengths, jax.random.key(0),
                     state, cache if chunked else None)  # fmt: skip
         return pre_args, cache
@@ -363,10 +372,13 @@ class SpeculativeGenerator:
         if key in self._executables:
             return self._executables[key], 0.0
         start = time.perf_counter()
-        programs = {
-            name: program.lower(*args, **static).compile()
-            for name, (program, args, static) in self.lowerings(pre_args, cache).items()
-        }
+        plan = self.lowerings(pre_args, cache)
+        if self.mesh is None:
+            programs = {
+                name: p.lower(*args, **kw).compile() for name, (p, args, kw) in plan.items()
+            }
+        else:  # jit dispatch: each program compiles for the shardings its inputs arrive with
+            programs = {name: partial(p, **kw) for name, (p, _, kw) in plan.items()}
         self._warm_up(programs, pre_args, cache.max_len)
         self._executables[key] = programs
         return programs, time.perf_counter() - start
@@ -378,7 +390,7 @@ class SpeculativeGenerator:
         prefill_params, dp, tokens, lengths, key, _, prefix = pre_args
         params, B = self.params, tokens.shape[0]
         state = self.drafter.init_state(self.cfg, B, max_len, jnp.float32, dp)
-        cache = init_cache(self.cfg, B, max_len)
+        cache = self._new_cache(B, max_len)
         if "extend" in programs:
             block, state = programs["extend"](
                 prefill_params, dp, cache, tokens, lengths, lengths, state
@@ -432,7 +444,7 @@ class SpeculativeGenerator:
             chunks, (tokens, tail) = _prompt_chunks(prompts, width)
         else:
             chunks, (tokens, tail) = [], _padded(prompts, width)
-        cache = init_cache(self.cfg, B, S)
+        cache = self._new_cache(B, S)
         key = jax.random.key(check_seed(seed))
         lengths = jnp.asarray(tail)
         dp = self.drafter_params
@@ -510,7 +522,8 @@ def _prompt_chunks(prompts: list[list[int]], C: int):
     """Prompts, the longest over C tokens -> (the chunks before each row's last: a list of
     (tokens [B,C], counts [B], the token following each row's part [B]), (the last chunk's
     tokens [B,C], their counts [B])). Row r's last chunk starts at the multiple of C below
-    its length, so all rows move through the same chunk positions."""
+    its length, so all rows move through the same chunk positions. The last chunk keeps the
+    full width: padding costs less than a program per tail length would."""
     full, lengths = _padded(prompts, (max(map(len, prompts)) // C + 1) * C + 1)
     heads = (lengths - 1) // C * C  # [B] tokens before each row's last chunk
     rows = np.arange(len(prompts))

@@ -54,12 +54,12 @@ def test_chunked_prefill_gives_one_shot_tokens(method):
 
 
 def test_chunks_cover_each_prompt_once():
-    chunks, (last, counts) = _prompt_chunks([list(range(1, 41)), [7, 8, 9]], 16)
-    # row 0: 32 tokens in two chunks, 8 in its last; row 1: all 3 in its last chunk
-    assert [c.tolist() for _, c, _ in chunks] == [[16, 0], [16, 0]]
-    assert [f.tolist() for _, _, f in chunks] == [[17, 7], [33, 7]]
-    assert counts.tolist() == [8, 3] and last[0, :8].tolist() == list(range(33, 41))
-    assert last[1, :3].tolist() == [7, 8, 9]
+    chunks, (last, counts) = _prompt_chunks([list(range(1, 41)), [7, 8, 9]], 32)
+    # row 0: 32 tokens in one chunk, 8 in its last; row 1: all 3 in its last chunk
+    assert [c.tolist() for _, c, _ in chunks] == [[32, 0]]
+    assert [f.tolist() for _, _, f in chunks] == [[33, 7]]
+    assert counts.tolist() == [8, 3] and last.shape == (2, 32)  # full width: one program
+    assert last[0, :8].tolist() == list(range(33, 41)) and last[1, :3].tolist() == [7, 8, 9]
 
 
 def test_program_count_does_not_grow_with_prompt_length():
