@@ -308,7 +308,8 @@ class SpeculativeGenerator:
         are compiled once per distinct value (and batch size)."""
         S = self.cache_len(prompt_len, max_new_tokens)
         if self.prefill_chunk < prompt_len:
-            return True, self.prefill_chunk, S
+            C = self.prefill_chunk  # the last chunk is written whole, padding included:
+            return True, C, max(S, -(-prompt_len // C) * C)  # room for it past the prompt
         return False, min(bucket(prompt_len, MIN_PROMPT_BUCKET), S), S
 
     def check_memory(self, batch: int, cache_len: int) -> None:

@@ -53,6 +53,17 @@ def test_chunked_prefill_gives_one_shot_tokens(method):
     assert "extend" in next(iter(chunked._executables.values()))
 
 
+def test_the_last_chunk_fits_in_the_cache():
+    """130 tokens in 100-token chunks with 2 new tokens: the cache's 192 slots would clip
+    the last chunk (written whole at 100..199) onto the first's; it gets room instead."""
+    params = init_params(CFG, jax.random.key(0), scale=0.3)
+    prompt = RNG.integers(3, 97, 130).tolist()
+    chunked = SpeculativeGenerator(CFG, params, prefill_chunk=100)
+    assert chunked.shapes(130, 2) == (True, 100, 200)
+    one_shot = SpeculativeGenerator(CFG, params).generate(prompt, 8).token_ids
+    assert chunked.generate(prompt, 8).token_ids == one_shot
+
+
 def test_chunks_cover_each_prompt_once():
     chunks, (last, counts) = _prompt_chunks([list(range(1, 41)), [7, 8, 9]], 32)
     # row 0: 32 tokens in one chunk, 8 in its last; row 1: all 3 in its last chunk
