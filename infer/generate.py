@@ -20,7 +20,9 @@ from jaxspec.cli import (
 )
 from jaxspec.decode import PRODUCTS
 from jaxspec.errors import JaxspecError
-from jaxspec.methods import SDSAT_LOOPS, provide_devices_for
+from jaxspec.mesh import make_mesh
+from jaxspec.mesh import parse_mesh as mesh_shape
+from jaxspec.methods import SDSAT_LOOPS, provide_devices, provide_devices_for
 from jaxspec.models import DTYPES, load_model
 
 
@@ -82,6 +84,11 @@ def parse_args(argv=None):
         "--max-len", type=positive_int, help="cache length limit (default: the model's context)"
     )
     p.add_argument(
+        "--mesh", type=mesh_shape,
+        help="split the model over devices: data=D,model=M (tensor parallel over model; on "
+        "CPU the D*M virtual devices are set up for you)",
+    )  # fmt: skip
+    p.add_argument(
         "--products", choices=PRODUCTS, default="exact",
         help="how bfloat16 weights multiply: exact (float32-accurate, the default), one "
         "bfloat16 pass in the prefill only (plain-prefill) or everywhere (plain)",
@@ -98,12 +105,16 @@ def main(argv=None) -> None:
 def _main(argv) -> None:
     args = parse_args(argv)
     provide_devices_for([args.method], args.ppd_k)
+    if args.mesh:
+        provide_devices(args.mesh["data"] * args.mesh["model"])
     prompts = [read_prompt(p) for p in args.prompts]
     generator = Generator(
-        load_model(args.model, args.dtype), args.method, drafter=args.drafter, tree=args.tree,
+        load_model(args.model, args.dtype, make_mesh(args.mesh) if args.mesh else None),
+        args.method, drafter=args.drafter, tree=args.tree,
         max_len=args.max_len, products=args.products, chat=not args.no_chat, ppd_k=args.ppd_k,
         ppd_layer=args.ppd_layer, firp_chains=args.firp_chains, sdsat_loop=args.sdsat_loop,
     )  # fmt: skip
+    weight_bytes = generator.model.bytes_per_device()
     sampling = dict(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         typical=args.typical,
@@ -112,12 +123,14 @@ def _main(argv) -> None:
         results = generator.generate(prompts, args.max_new_tokens, **sampling)
         for result in results:
             print(
-                json.dumps(summarize(args.method, result)) if args.json else f"--- {result.text}\n"
+                json.dumps(summarize(args.method, result, weight_bytes))
+                if args.json
+                else f"--- {result.text}\n"
             )
         report_batch(args.method, results)
     elif args.json:
         result = generator.generate(prompts[0], args.max_new_tokens, **sampling)
-        print(json.dumps(summarize(args.method, result)))
+        print(json.dumps(summarize(args.method, result, weight_bytes)))
     else:
         stream = generator.stream(prompts[0], args.max_new_tokens, **sampling)
         for piece in stream:
@@ -142,7 +155,7 @@ def read_prompt(arg: str) -> str:
     return arg
 
 
-def summarize(method: str, result) -> dict:
+def summarize(method: str, result, weight_bytes_per_device: int | None = None) -> dict:
     return {
         "method": method,
         "text": result.text,
@@ -155,6 +168,7 @@ def summarize(method: str, result) -> dict:
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "compile_s": result.compile_s,
+        "weight_bytes_per_device": weight_bytes_per_device,
     }
 
 

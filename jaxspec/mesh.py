@@ -44,6 +44,11 @@ def parse_mesh(text: str) -> dict[str, int]:
     return shape
 
 
+def as_mesh(mesh) -> Mesh | None:
+    """A mesh from "data=D,model=M", a Mesh as given, None as None (one device)."""
+    return make_mesh(parse_mesh(mesh)) if isinstance(mesh, str) else mesh
+
+
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
     """The mesh of shape {"data": D, "model": M} over the first D*M devices."""
     devices = list(devices if devices is not None else jax.devices())

@@ -75,8 +75,9 @@ def check_ppd_heads(params: dict, dim: int, folder: Path) -> None:
 
 def build_ar(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options):
     return SpeculativeGenerator(
-        model.cfg, model.params, sampling=sampling, max_len=max_len, products=products
-    )
+        model.cfg, model.params, sampling=sampling, max_len=max_len, products=products,
+        mesh=model.mesh,
+    )  # fmt: skip
 
 
 def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options):
@@ -89,6 +90,10 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
         raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
     if products != "exact":
         raise JaxspecError("ppd multiplies exactly: --products applies to the other methods")
+    if model.mesh is not None:
+        raise JaxspecError(
+            "ppd places its pipeline on devices itself: load the model without --mesh"
+        )
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
     default_layer, heads = None, {}
     if drafter_dir.is_dir():
@@ -119,7 +124,7 @@ def build_speculative(
     drafter = drafter.for_tree(spec, settings, data, **options)
     return SpeculativeGenerator(
         model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len,
-        products=products,
+        products=products, mesh=model.mesh,
     )  # fmt: skip
 
 

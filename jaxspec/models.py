@@ -13,6 +13,7 @@ from jaxspec.checkpoint import default_dtype, is_checkpoint, load_checkpoint
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
+from jaxspec.mesh import as_mesh, shard_params
 
 DTYPES = ("float32", "bfloat16")
 
@@ -23,17 +24,24 @@ class LoadedModel:
     cfg: LlamaConfig
     params: dict
     tokenizer: object
+    mesh: object = None  # the jax.sharding.Mesh the params are split over; None: one device
 
     @property
     def weight_dtype(self):
         """What drafter weights are cast to, so that they multiply like the model's."""
         return jax.tree.leaves(self.params)[0].dtype
 
+    def bytes_per_device(self) -> int:
+        """Bytes of the weights one device holds (the first device's shards)."""
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.params))
 
-def load_model(src: str | Path | None = None, dtype: str | None = None) -> LoadedModel:
+
+def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=None) -> LoadedModel:
     """src: a jaxspec checkpoint folder, an HF folder (safetensors), a .gguf file, or None
     for the default model (converted into $JAXSPEC_HOME on first use). dtype: "float32" or
-    "bfloat16" weights (None: float32 on CPU, bfloat16 on accelerators, or as stored)."""
+    "bfloat16" weights (None: float32 on CPU, bfloat16 on accelerators, or as stored).
+    mesh: "data=D,model=M" or a jax.sharding.Mesh to split the weights over
+    (tensor-parallel, jaxspec.mesh); None: one device."""
     from jaxspec.convert import load_any
     from jaxspec.convert.default_model import ensure_default_model
     from jaxspec.convert.hf import load_tokenizer
@@ -52,4 +60,7 @@ def load_model(src: str | Path | None = None, dtype: str | None = None) -> Loade
     else:
         cfg, params, tokenizer = load_any(path)
         params = jax.tree.map(lambda a: jnp.asarray(a, default_dtype()), params)
-    return LoadedModel(path, cfg, compute_params(params, dtype), tokenizer)
+    mesh = as_mesh(mesh)
+    if mesh is not None:  # placed as stored, then cast: each device casts its own shards
+        params = shard_params(params, cfg, mesh)
+    return LoadedModel(path, cfg, compute_params(params, dtype), tokenizer, mesh)

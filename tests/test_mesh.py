@@ -4,6 +4,7 @@ decoding giving one device's tokens (4 virtual CPU devices, tests/conftest.py)."
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import pytest
@@ -63,3 +64,36 @@ def test_sharded_decoding_gives_one_devices_tokens(shape):
         one = SpeculativeGenerator(CFG, params, *args).generate_batch(PROMPTS, 20)
         got = SpeculativeGenerator(CFG, sharded, *args, mesh=mesh).generate_batch(PROMPTS, 20)
         assert [r.token_ids for r in got] == [r.token_ids for r in one]
+
+
+def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys):
+    """jaxspec-generate --mesh: the same token ids, the weights split two ways."""
+    from infer.generate import main
+    from jaxspec.checkpoint import save_checkpoint
+    from tests.conftest import one_line_error, tiny_tokenizer
+    from tests.test_cli import run_ok
+
+    cfg = dataclasses.replace(CFG, vocab_size=104, eos_token_ids=(2,), name="tiny-104")
+    save_checkpoint(tmp_path / "m", cfg, init_params(cfg, jax.random.key(0)), tiny_tokenizer())
+    argv = ["--model", str(tmp_path / "m"), "--json", "--max-new-tokens", "12", "w5 w9 w7"]
+    one = json.loads(run_ok(main, argv, capsys))
+    for method in ("ar", "medusa"):
+        mesh = ["--mesh", "data=1,model=2", "--method", method]
+        if method != "ar":
+            mesh += ["--drafter", str(write_medusa(tmp_path / "d", cfg, tmp_path / "m"))]
+        got = json.loads(run_ok(main, mesh + argv, capsys))
+        assert got["token_ids"] == one["token_ids"], method
+        assert got["weight_bytes_per_device"] < 0.6 * one["weight_bytes_per_device"]
+    err = one_line_error(main, ["--model", str(tiny_ckpt[0]), "--mesh", "model=2", "w5"], capsys)
+    assert "model=2 does not divide ffn_dim 83" in err
+
+
+def write_medusa(folder, cfg, model_dir):
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.drafters.medusa import MedusaSettings
+    from jaxspec.drafters.store import save_drafter
+
+    _, params = load_checkpoint(model_dir)
+    heads = MedusaDrafter(cfg, 2).init(params, jax.random.key(1))
+    save_drafter(folder, "medusa", MedusaSettings(n_heads=2), heads, cfg, "untrained")
+    return folder
