@@ -19,10 +19,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCAB = 101
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
-    "{% if add_generation_prompt %}assistant {% endif %}"
-)
 
 
 def tiny_hf_config(n_kv_heads=2, tie=False, rope=None, n_layers=2):
@@ -59,19 +55,11 @@ def tiny_hf_model(seed=0, **kw):
 
 
 def tiny_tokenizer():
-    """A word-level tokenizer over VOCAB tokens: <unk> <s> </s> user assistant w5 ... w100."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A word-level tokenizer over VOCAB tokens: <unk> <s> </s> user assistant w5 ... w100
+    (the device campaign's dry-run tokenizer)."""
+    from jaxspec.device_bench.end_to_end import tiny_tokenizer as word_level
 
-    words = ["<unk>", "<s>", "</s>", "user", "assistant"] + [f"w{i}" for i in range(5, VOCAB)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return word_level(VOCAB)
 
 
 def save_tiny(tmp: Path, name="hf", tokenizer=True, **kw) -> tuple[Path, object]:

@@ -118,9 +118,13 @@ def read_meta(file: Path) -> dict:
 def read_settings(path: Path, method: str) -> tuple[DrafterSettings, dict[str, np.ndarray]]:
     """A folder's settings as `method`'s settings class, with the data arrays its
     drafter.json still holds inline (folders written before data files) -> (settings, data)."""
+    return _settings(read_meta(Path(path) / META), path, method)
+
+
+def _settings(meta: dict, path: Path, method: str):
+    """read_settings on a drafter.json already read."""
     from jaxspec.drafters.registry import method as method_named
 
-    meta = read_meta(Path(path) / META)
     if meta.get("method") != method:
         raise JaxspecError(f"{path} holds a {meta.get('method')!r} drafter, not {method!r}")
     cls = method_named(method).settings_class()
@@ -159,8 +163,9 @@ def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) 
             f"no drafter at {path} (needs {META} and {WEIGHTS}); train one with "
             f"`jaxspec-train {method}` or pass --drafter DIR"
         )
-    settings, data = read_settings(path, method)
-    have = read_meta(path / META).get("base_model", {})
+    meta = read_meta(path / META)
+    settings, data = _settings(meta, path, method)
+    have = meta.get("base_model", {})
     want, shape_keys = fingerprint(base), ("vocab_size", "dim", "n_layers")
     if any(want[k] != have.get(k) for k in shape_keys):
         raise JaxspecError(
