@@ -31,7 +31,7 @@ from jaxspec.llama import (
     run_layers,
     vocab_projection,
 )
-from jaxspec.mesh import shard_cache
+from jaxspec.mesh import Layout, check_divides, place, table_specs
 from jaxspec.sampling import Sampling, check_seed, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
@@ -60,6 +60,22 @@ FUSED_ROWS = 32
 # prefill, so match_ar holds), or everywhere ("plain": whether greedy outputs still match
 # AR is for the device campaign to measure).
 PRODUCTS = ("exact", "plain-prefill", "plain")
+
+# On a mesh, each program's arguments and results by kind, which decides their shardings
+# (`SpeculativeGenerator._sharding`): "placed" (weights, as the generator placed them),
+# "rows" [B,...], "key", "cache" (a KVCache), "block" (a KVBlock), "state" (the
+# drafter's); and the argument each program donates.
+SIGNATURES = {
+    "prefill": (("placed", "placed", "rows", "rows", "key", "state", "cache"),
+                ("rows", "rows", "block", "state")),
+    "step": (("placed", "placed", "cache", "rows", "rows", "key", "state"),
+             ("rows", "rows", "rows", "rows", "block", "state")),
+    "commit_prompt": (("cache", "block", "rows"), "cache"),
+    "commit_path": (("cache", "block", "rows"), "cache"),
+    "extend": (("placed", "placed", "cache", "rows", "rows", "rows", "state"), ("block", "state")),
+    "redraft": (("placed", "placed", "cache", "rows"), "rows"),
+}  # fmt: skip
+DONATED = {"prefill": 5, "step": 6, "extend": 6, "commit_prompt": 0, "commit_path": 0}
 
 
 def _collected_layers(drafter: Drafter, cfg: LlamaConfig) -> tuple[int, ...]:
@@ -264,10 +280,16 @@ class SpeculativeGenerator:
         mesh=None,
     ):
         """prefill_chunk: prompts longer than this many tokens are prefilled in chunks of
-        it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS; mesh: the
-        jax.sharding.Mesh that `params` are placed on (jaxspec.mesh), None: one device."""
+        it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS; mesh: a
+        jax.sharding.Mesh (jaxspec.mesh) to decode on, tensor-parallel over its `model`
+        axis and rows over `data` (params and drafter params are placed on it by the
+        parameter table, `mesh.table_specs`, unless they already are); None: one device."""
         if products not in PRODUCTS:
             raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
+        if mesh is not None:
+            check_divides(cfg, mesh)
+            params = place(params, table_specs(cfg, params), mesh)
+            drafter_params = place(drafter_params, table_specs(cfg, drafter_params), mesh)
         params = plain_products(params) if products == "plain" else params
         self.prefill_params = plain_products(params) if products == "plain-prefill" else params
         self.cfg, self.params, self.mesh = cfg, params, mesh
@@ -299,8 +321,52 @@ class SpeculativeGenerator:
         return cache_len(prompt_len, max_new_tokens, ahead, self.max_len, why, fix)
 
     def _new_cache(self, batch: int, cache_len: int) -> KVCache:
-        cache = init_cache(self.cfg, batch, cache_len)
-        return cache if self.mesh is None else shard_cache(cache, self.mesh)
+        return self._on_mesh("cache", init_cache(self.cfg, batch, cache_len), batch)
+
+    def _new_state(self, batch: int, cache_len: int):
+        """The drafter's state for a generation (its arrays on the mesh, if any)."""
+        state = self.drafter.init_state(
+            self.cfg, batch, cache_len, jnp.float32, self.drafter_params
+        )
+        return self._on_mesh("state", state, batch)
+
+    def _on_mesh(self, kind: str, value, batch: int):
+        """`value` (a SIGNATURES kind) placed on the mesh; as it is without one."""
+        if self.mesh is None or value is None:
+            return value
+        return jax.tree.map(
+            jax.device_put, value, self._sharding(kind, value, Layout(self.mesh, batch))
+        )
+
+    def _sharding(self, kind: str, value, layout: Layout):
+        """The shardings of an argument or result of a SIGNATURES kind (`value`: it, or
+        the argument it has the structure of)."""
+        if value is None:
+            return None
+        if kind == "placed":
+            return layout.placed(value)
+        if kind == "cache":
+            return layout.kv_tree(value)
+        if kind == "state":
+            return self.drafter.state_shardings(value, layout)
+        return {"rows": layout.rows, "key": layout.replicated, "block": layout.kv}[kind]
+
+    def _sharded(self, name: str, program: Callable, args: tuple, static: dict) -> Callable:
+        """`program` with its static keywords, jitted for explicit shardings on the mesh:
+        results come back where the next program expects them, so steps run from AOT
+        executables as on one device; nothing is gathered that the layout splits."""
+        kinds, results = SIGNATURES[name]
+        layout = Layout(self.mesh, args[kinds.index("rows")].shape[0])
+        ins = tuple(self._sharding(k, a, layout) for k, a in zip(kinds, args, strict=True))
+        like = {"cache": args[kinds.index("cache")] if "cache" in kinds else None,
+                "state": args[kinds.index("state")] if "state" in kinds else None}  # fmt: skip
+        one = isinstance(results, str)  # a single result
+        outs = [self._sharding(k, like.get(k, 0), layout) for k in ([results] if one else results)]
+        outs = outs[0] if one else tuple(outs)
+        donate = (DONATED[name],) if name in DONATED else ()
+        return jax.jit(
+            partial(program, **static), in_shardings=ins, out_shardings=outs, donate_argnums=donate
+        )
 
     def shapes(self, prompt_len: int, max_new_tokens: int) -> tuple[bool, int, int]:
         """What a request compiles for -> (whether its prompt is prefilled in chunks, the
@@ -350,6 +416,10 @@ class SpeculativeGenerator:
         if self.drafter.drafts_from_cache:
             redraft_args = (self.params, self.drafter_params, cache, first)
             plan["redraft"] = (redraft, redraft_args, dict(tree=self.tree, drafter=self.drafter))
+        if self.mesh is not None:
+            plan = {
+                name: (self._sharded(name, *entry), entry[1], {}) for name, entry in plan.items()
+            }
         return plan
 
     def example_inputs(self, batch: int, prompt_bucket: int, cache_len: int, chunked=False):
@@ -358,9 +428,7 @@ class SpeculativeGenerator:
         cache, as generate_batch makes them (zero tokens)."""
         tokens = np.zeros((batch, prompt_bucket), np.int32)
         lengths = jnp.ones((batch,), jnp.int32)
-        state = self.drafter.init_state(
-            self.cfg, batch, cache_len, jnp.float32, self.drafter_params
-        )
+        state = self._new_state(batch, cache_len)
         cache = self._new_cache(batch, cache_len)
         pre_args = (self.prefill_params, self.drafter_params, tokens, lengths, jax.random.key(0),
                     state, cache if chunked else None)  # fmt: skip
@@ -374,12 +442,7 @@ class SpeculativeGenerator:
             return self._executables[key], 0.0
         start = time.perf_counter()
         plan = self.lowerings(pre_args, cache)
-        if self.mesh is None:
-            programs = {
-                name: p.lower(*args, **kw).compile() for name, (p, args, kw) in plan.items()
-            }
-        else:  # jit dispatch: each program compiles for the shardings its inputs arrive with
-            programs = {name: partial(p, **kw) for name, (p, _, kw) in plan.items()}
+        programs = {name: p.lower(*args, **kw).compile() for name, (p, args, kw) in plan.items()}
         self._warm_up(programs, pre_args, cache.max_len)
         self._executables[key] = programs
         return programs, time.perf_counter() - start
@@ -390,7 +453,7 @@ class SpeculativeGenerator:
         one-time cost that belongs with compilation, not with generation."""
         prefill_params, dp, tokens, lengths, key, _, prefix = pre_args
         params, B = self.params, tokens.shape[0]
-        state = self.drafter.init_state(self.cfg, B, max_len, jnp.float32, dp)
+        state = self._new_state(B, max_len)
         cache = self._new_cache(B, max_len)
         if "extend" in programs:
             block, state = programs["extend"](
@@ -450,7 +513,7 @@ class SpeculativeGenerator:
         lengths = jnp.asarray(tail)
         dp = self.drafter_params
 
-        state = self.drafter.init_state(self.cfg, B, S, jnp.float32, dp)
+        state = self._new_state(B, S)
         pre_args = (self.prefill_params, dp, tokens, lengths, key, state, cache if chunks else None)
         programs, compile_s = self._programs(pre_args, cache)
         run_step, commit_path = programs["step"], programs["commit_path"]

@@ -61,15 +61,17 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def split_bfloat16(x: jax.Array) -> jax.Array:
-    """x [R,in] float32 -> [3R,in] bfloat16 whose three row blocks sum exactly to x: each
-    block holds the next 8 mantissa bits of what the earlier ones left (3 x 8 = float32's 24)."""
+    """x [R,in] float32 -> [3R,in] bfloat16 whose rows 3r, 3r+1, 3r+2 sum exactly to row r:
+    each holds the next 8 mantissa bits of what the earlier ones left (3 x 8 = float32's 24).
+    Interleaved, not in three blocks: rows split over devices keep their parts on their own
+    device (blocks would be shuffled between devices before every product on a mesh)."""
     parts = []
     rest = x.astype(jnp.float32)
     for _ in range(3):
         part = rest.astype(jnp.bfloat16)
         rest = rest - part.astype(jnp.float32)  # exact: the leading bits cancel
         parts.append(part)
-    return jnp.concatenate(parts)
+    return jnp.stack(parts, axis=1).reshape(-1, x.shape[-1])
 
 
 @jax.tree_util.register_dataclass
@@ -98,9 +100,9 @@ class PlainProducts:
 def dense(x: jax.Array, w: jax.Array | OutIn | PlainProducts) -> jax.Array:
     """x [...,in] times w [in,out] (or an OutIn holding [out,in]) -> [...,out] float32.
 
-    float32 w: a float32 product. bfloat16 w: x is split exactly into three bfloat16 row
-    blocks (`split_bfloat16`), each element product is exact in float32, products are
-    accumulated in float32 and the blocks summed: float32 accuracy for bfloat16 weights, at
+    float32 w: a float32 product. bfloat16 w: each row of x is split exactly into three
+    bfloat16 rows (`split_bfloat16`), each element product is exact in float32, products are
+    accumulated in float32 and the three summed: float32 accuracy for bfloat16 weights, at
     the cost of 3R rows on XLA:CPU's AMX/AVX512-BF16 kernel, whose cost barely grows with
     rows. That kernel serves >= 3 rows (one or two fall to slower kernels with other bits),
     which the split always gives, and a row's result does not depend on how many rows are
@@ -115,7 +117,8 @@ def dense(x: jax.Array, w: jax.Array | OutIn | PlainProducts) -> jax.Array:
         y = jnp.einsum(spec, rows.astype(w.dtype), w, preferred_element_type=jnp.float32)
     elif w.dtype == jnp.bfloat16:
         y = jnp.einsum(spec, split_bfloat16(rows), w, preferred_element_type=jnp.float32)
-        y = y[:n] + y[n : 2 * n] + y[2 * n :]  # [R,out]
+        y = y.reshape(n, 3, -1)
+        y = y[:, 0] + y[:, 1] + y[:, 2]  # [R,out]
     else:
         y = jnp.einsum(spec, rows, w, preferred_element_type=jnp.float32, precision=FLOAT32)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -9,6 +9,7 @@ split by kv heads over `model` and by rows over `data`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.param_table import logical_axes
+from jaxspec.param_table import entries, logical_axes
 
 MESH_AXES = ("data", "model")
 # logical axis -> mesh axis (None: replicated)
@@ -50,7 +51,9 @@ def as_mesh(mesh) -> Mesh | None:
 
 
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
-    """The mesh of shape {"data": D, "model": M} over the first D*M devices."""
+    """The mesh of shape {"data": D, "model": M} (a missing axis: 1) over the first D*M
+    devices."""
+    shape = {**dict.fromkeys(MESH_AXES, 1), **shape}
     devices = list(devices if devices is not None else jax.devices())
     need = math.prod(shape[a] for a in MESH_AXES)
     if need > len(devices):
@@ -95,21 +98,66 @@ def shard_params(params: dict, cfg: LlamaConfig, mesh: Mesh) -> dict:
     )
 
 
-def cache_spec() -> PartitionSpec:
-    """A cache layer's keys or values [B,K,S,H]."""
-    return PartitionSpec("data", "model", None, None)
+def table_specs(cfg: LlamaConfig, tree) -> object:
+    """Any params tree (a drafter's, or the model's already cast for compute) -> its tree
+    of PartitionSpecs: a leaf named like a parameter of the table, with the table's shape,
+    is split by the table's rules (Chimera's encoder layer, a copy of a decoder layer, is
+    split like the model's layers); an OutIn leaf (the [out,in] transpose, layers.OutIn)
+    likewise with its axes swapped; every other leaf is replicated."""
+    table = {p.name: (shape, p.axes) for p, shape in entries(cfg)}
+
+    def spec(path, x) -> PartitionSpec:
+        transposed = bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey)
+        key = path[-2] if transposed and len(path) > 1 else (path[-1] if path else None)
+        shape, axes = table.get(getattr(key, "key", None), (None, None))
+        if axes is None or getattr(x, "shape", None) is None:
+            return PartitionSpec()
+        if transposed:
+            shape, axes = shape[::-1], axes[::-1]
+        return PartitionSpec(*(RULES[a] for a in axes)) if x.shape == shape else PartitionSpec()
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def rows_spec() -> PartitionSpec:
-    """Per-row arrays [B, ...] (tokens, lengths)."""
-    return PartitionSpec("data")
+def place(tree, specs, mesh: Mesh):
+    """Each leaf of `tree` put on `mesh` by its PartitionSpec in `specs` (a matching tree)."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
 
 
-def shard_cache(cache, mesh: Mesh):
-    """A KVCache placed on the mesh: keys/values by rows and kv heads, lengths by rows."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a generation's arrays live on `mesh` for a batch of `batch` rows: rows over
+    `data` (replicated when `data` does not divide the batch), keys/values [B,K,S,H] also
+    by kv heads over `model`."""
 
-    def put(x):
-        spec = cache_spec() if x.ndim == 4 else rows_spec()
-        return jax.device_put(x, NamedSharding(mesh, spec))
+    mesh: Mesh
+    batch: int
 
-    return jax.tree.map(put, cache)
+    def sharding(self, *axes) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(*axes))
+
+    @property
+    def data_axis(self) -> str | None:
+        return "data" if self.batch % self.mesh.shape["data"] == 0 else None
+
+    @property
+    def rows(self) -> NamedSharding:
+        """Per-row arrays [B, ...] (tokens, lengths, candidates)."""
+        return self.sharding(self.data_axis)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return self.sharding()
+
+    @property
+    def kv(self) -> NamedSharding:
+        """Keys or values [B,K,S,H]: rows over `data`, kv heads over `model`."""
+        return self.sharding(self.data_axis, "model", None, None)
+
+    def kv_tree(self, tree):
+        """A KVCache or KVBlock (or None) -> its tree of shardings."""
+        return jax.tree.map(lambda x: self.kv if x.ndim == 4 else self.rows, tree)
+
+    def placed(self, tree):
+        """A tree of arrays already on this mesh -> the tree of their shardings."""
+        return jax.tree.map(lambda x: x.sharding, tree)

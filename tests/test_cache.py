@@ -118,8 +118,8 @@ def test_split_bfloat16_parts_sum_exactly_to_float32():
     x = jax.random.normal(jax.random.key(4), (5, 64)) * jnp.logspace(-30, 30, 64)
     parts = split_bfloat16(x)
     assert parts.dtype == jnp.bfloat16 and parts.shape == (15, 64)
-    p = np.asarray(parts.astype(jnp.float32), np.float64).reshape(3, 5, 64)
-    np.testing.assert_array_equal(p[0] + p[1] + p[2], np.asarray(x, np.float64))
+    p = np.asarray(parts.astype(jnp.float32), np.float64).reshape(5, 3, 64)
+    np.testing.assert_array_equal(p[:, 0] + p[:, 1] + p[:, 2], np.asarray(x, np.float64))
 
 
 def test_the_cache_limit_counts_the_slots_a_tree_writes_ahead():

@@ -1,26 +1,41 @@
 """Meshes: parsing, the Megatron layout from the parameter table, and tensor/data-parallel
-decoding giving one device's tokens (4 virtual CPU devices, tests/conftest.py)."""
+decoding giving one device's tokens for every method (4 virtual CPU devices,
+tests/conftest.py), with explicit shardings and no weight gathered on the hot path."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import re
+from collections import Counter
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import export
 from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.errors import JaxspecError
-from jaxspec.llama import init_params
-from jaxspec.mesh import make_mesh, param_specs, parse_mesh, shard_params
+from jaxspec.llama import compute_params, init_params
+from jaxspec.mesh import Layout, make_mesh, param_specs, parse_mesh, shard_params
+from jaxspec.param_table import param_shapes
+from jaxspec.sampling import Sampling
 from jaxspec.tree import tree_preset
 
 # heads 4, kv heads 2, FFN 88, vocabulary 96: model=2 divides them all
 CFG = dataclasses.replace(preset("tiny-gqa"), vocab_size=96, eos_token_ids=())
+# 4 layers (FIRP reads 2 and 4); heads 8, kv heads 4, FFN 96, vocabulary 96: model=2 and
+# model=4 divide them all
+CFG4 = dataclasses.replace(
+    CFG, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=96, name="tiny-4"
+)
 PROMPTS = [[5, 9, 7, 11, 3], [4, 8, 15, 16, 23, 42]]
+MESHES = {"1x2": (1, 2), "2x2": (2, 2), "1x4": (1, 4), "2x1": (2, 1)}
 
 
 def test_parse_mesh():
@@ -48,22 +63,9 @@ def test_megatron_layout_comes_from_the_logical_axes():
         assert layer[name] == P(None, "model"), name  # split by output columns
     for name in ("o_proj", "down_proj"):
         assert layer[name] == P("model", None), name  # split by rows
-
-
-@pytest.mark.parametrize("shape", [{"data": 1, "model": 2}, {"data": 2, "model": 2}])
-def test_sharded_decoding_gives_one_devices_tokens(shape):
-    params = init_params(CFG, jax.random.key(0), scale=0.3)
-    mesh = make_mesh(shape)
-    sharded = shard_params(params, CFG, mesh)
+    sharded = shard_params(init_params(CFG, jax.random.key(0)), CFG, make_mesh({"model": 2}))
     q = sharded["layers"][0]["q_proj"]
     assert q.addressable_shards[0].data.shape == (CFG.dim, CFG.n_heads * CFG.head_dim // 2)
-    drafter = MedusaDrafter(CFG, 2)
-    heads = drafter.init(params, jax.random.key(1))
-    tree = tree_preset("comb-2-3")
-    for args in ((), (drafter, heads, tree)):
-        one = SpeculativeGenerator(CFG, params, *args).generate_batch(PROMPTS, 20)
-        got = SpeculativeGenerator(CFG, sharded, *args, mesh=mesh).generate_batch(PROMPTS, 20)
-        assert [r.token_ids for r in got] == [r.token_ids for r in one]
 
 
 def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys):
@@ -97,3 +99,123 @@ def write_medusa(folder, cfg, model_dir):
     heads = MedusaDrafter(cfg, 2).init(params, jax.random.key(1))
     save_drafter(folder, "medusa", MedusaSettings(n_heads=2), heads, cfg, "untrained")
     return folder
+
+
+@functools.cache
+def base_params(cfg=CFG4):
+    return init_params(cfg, jax.random.key(0), scale=0.3)
+
+
+def method_generator(method: str, mesh=None, sampling=None, params=None) -> SpeculativeGenerator:
+    """A generator of `method` with random drafter weights (losslessness does not depend
+    on their quality) on CFG4, on `mesh` or one device."""
+    from jaxspec.methods import make_drafter
+    from tests.test_export import DATA, SETTINGS
+
+    params = base_params() if params is None else params
+    if method == "ar":
+        return SpeculativeGenerator(CFG4, params, sampling=sampling, mesh=mesh)
+    tree = tree_preset("comb-2-2")
+    drafter = make_drafter(method, CFG4, SETTINGS[method])
+    weights = drafter.init(base_params(), jax.random.key(1))
+    weights = jax.tree.map(lambda w: w + 0.05 * jnp.sin(jnp.arange(w.size).reshape(w.shape)),
+                           weights)  # fmt: skip
+    data = DATA.get(method, {})
+    weights = drafter.prepare(params, weights, data)
+    drafter = drafter.for_tree(tree, SETTINGS[method], data)
+    return SpeculativeGenerator(CFG4, params, drafter, weights, tree, sampling, mesh=mesh)
+
+
+@functools.cache
+def one_device_tokens(method: str, sampling=None) -> list[list[int]]:
+    results = method_generator(method, sampling=sampling).generate_batch(PROMPTS, 16, seed=3)
+    return [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize(
+    "method, mesh",
+    [(m, "2x2") for m in ("ar", "medusa", "firp", "chimera", "sdsat")]
+    + [(m, shape) for m in ("ar", "chimera") for shape in ("1x4", "2x1")]
+    + [("medusa", "1x2")],
+)
+def test_every_method_on_a_mesh_gives_one_devices_tokens(method, mesh):
+    """Greedy: each row's tokens equal one device's (batch 2: over `data` in 2x2 and 2x1)."""
+    data, model = MESHES[mesh]
+    gen = method_generator(method, make_mesh({"data": data, "model": model}))
+    got = [r.token_ids for r in gen.generate_batch(PROMPTS, 16, seed=3)]
+    assert got == one_device_tokens(method)
+
+
+def test_sampling_on_a_mesh_draws_one_devices_tokens():
+    """The same keys give the same sampled tokens as on one device: the mesh leaves the
+    sampler's distribution alone (see also the chi-square test below)."""
+    how = Sampling(0.9, top_p=0.95)
+    gen = method_generator("medusa", make_mesh({"data": 2, "model": 2}), how)
+    got = [r.token_ids for r in gen.generate_batch(PROMPTS, 16, seed=3)]
+    assert got == one_device_tokens("medusa", how)
+
+
+def test_tree_rejection_sampling_on_a_mesh_preserves_the_distribution():
+    """The chi-square test of lossless tree sampling, with the model split two ways and the
+    rows two ways."""
+    from tests.test_speculative import check_two_token_distribution, sampling_test_drafter
+
+    cfg = dataclasses.replace(CFG, vocab_size=6)
+    mesh = make_mesh({"data": 2, "model": 2})
+    params = shard_params(init_params(cfg, jax.random.key(0), scale=0.3), cfg, mesh)
+    drafter, dparams = sampling_test_drafter("chimera", cfg, params)
+    layout = Layout(mesh, batch=2)  # the test's 12000 rows split over data=2 too
+
+    def place(kind, value):
+        if kind == "rows":
+            return jax.tree.map(lambda x: jax.device_put(x, layout.rows), value)
+        shardings = layout.kv_tree(value) if kind == "cache" else None
+        if kind == "state":
+            shardings = drafter.state_shardings(value, layout)
+        return jax.tree.map(jax.device_put, value, shardings)
+
+    check_two_token_distribution(
+        cfg, params, tree_preset("cpu-8"), Sampling(0.8), drafter, dparams, place
+    )
+
+
+def collectives(program, args, static) -> list[tuple[str, tuple[int, ...]]]:
+    """(kind, result shape) of every collective in the compiled program."""
+    text = program.lower(*args, **static).compile().as_text()
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|"
+                       r"collective-permute|reduce-scatter)\(", text)  # fmt: skip
+    return [(kind, tuple(int(d) for d in dims.split(",") if d)) for dims, kind in found]
+
+
+@pytest.mark.parametrize("method", ["medusa", "chimera"])
+def test_no_weight_is_gathered_on_the_hot_path(method):
+    """The compiled programs on a 2x2 mesh (bfloat16 weights as decoding holds them) sum
+    the split layers' outputs (all-reduce) and gather activations (logits, top-k partials)
+    but never a weight matrix, and shuffle no activations between devices (permutes only
+    of a few per-row counters: rows stay on their `data` device)."""
+    params = compute_params(base_params(), jnp.bfloat16)
+    gen = method_generator(method, make_mesh({"data": 2, "model": 2}), params=params)
+    weights = {s for s in jax.tree.leaves(param_shapes(CFG4), is_leaf=lambda x:
+               isinstance(x, tuple)) if len(s) == 2}  # fmt: skip
+    weights |= {s[::-1] for s in weights}
+    plan = gen.lowerings(*gen.example_inputs(2, 16, 64))
+    assert set(plan) >= {"prefill", "step", "commit_prompt", "commit_path"}
+    for name, (program, args, static) in plan.items():
+        found = collectives(program, args, static)
+        kinds = Counter(kind for kind, _ in found)
+        if name in ("prefill", "step"):  # attention's and the MLP's sums in every layer
+            assert kinds["all-reduce"] >= 2 * CFG4.n_layers, (name, kinds)
+        shuffled = [s for kind, s in found if kind in ("collective-permute", "all-to-all")]
+        assert all(math.prod(s) < CFG4.dim for s in shuffled), (name, shuffled)
+        gathered = {shape for kind, shape in found if kind == "all-gather"}
+        assert not weights & gathered, (name, gathered)
+
+
+@pytest.mark.parametrize("method", ["ar", "medusa", "firp", "chimera", "sdsat"])
+def test_export_mesh_programs(method):
+    """Every program on a 2x2 mesh exports for CUDA and TPU with its shardings."""
+    gen = method_generator(method, make_mesh({"data": 2, "model": 2}))
+    exported = export.export_all(gen.lowerings(*gen.example_inputs(2, 16, 64)))
+    step = exported["step"]["cuda"]
+    assert step.nr_devices == 4
+    assert re.search(r"sharding<@mesh, \[\{\}, \{\"model\"\}\]>", step.mlir_module())

@@ -205,25 +205,32 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
     ],
 )
 def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling, drafter_name):
+    cfg, params = tiny("tiny-mqa", vocab=6)
+    drafter, dparams = sampling_test_drafter(drafter_name, cfg, params)
+    check_two_token_distribution(cfg, params, tree_preset(tree_name), sampling, drafter, dparams)
+
+
+def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, place=None):
     """Chi-square of the first two emitted tokens over many rows against the exact
-    two-token distribution, for drafts that are often right (tiny vocabulary)."""
+    two-token distribution, for drafts that are often right (tiny vocabulary). place(kind,
+    value): puts the cache, the drafter state and the row arrays ("cache", "state", "rows")
+    where the programs should run (on a mesh); None: one device."""
     from scipy.stats import chisquare
 
-    cfg, params = tiny("tiny-mqa", vocab=6)
-    tree = tree_preset(tree_name)
+    place = place or (lambda kind, value: value)
     prompt, root, N = [1, 4, 2, 5], 3, 12000
-    drafter, dparams = sampling_test_drafter(drafter_name, cfg, params)
     static = dict(cfg=cfg, sampling=sampling, tree=tree, drafter=drafter)
-    cache = init_cache(cfg, N, 32)
+    cache = place("cache", init_cache(cfg, N, 32))
     tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (N, len(prompt)))
-    lengths = jnp.full((N,), len(prompt), jnp.int32)
-    state = drafter.init_state(cfg, N, 32, jnp.float32)
+    tokens, lengths = place("rows", (tokens, jnp.full((N,), len(prompt), jnp.int32)))
+    state = place("state", drafter.init_state(cfg, N, 32, jnp.float32))
     _, _, block, state = prefill_and_draft(
         params, dparams, tokens, lengths, jax.random.key(0), state, **static
     )
     cache = commit(cache, block, lengths)
-    current = jnp.full((N,), root, jnp.int32)
+    current = place("rows", jnp.full((N,), root, jnp.int32))
     candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)
+    candidates = place("rows", candidates)
     if drafter.drafts_from_cache:
         candidates = redraft(params, dparams, cache, current, tree=tree, drafter=drafter)
     emitted, n, current, candidates, block, state = speculative_step(

@@ -159,6 +159,10 @@ class Drafter:
         """-> the drafter's state after `inputs.entered` joined the context."""
         return inputs.state
 
+    def state_shardings(self, state, layout):
+        """The state's tree of shardings on a mesh (a mesh.Layout): every array by rows."""
+        return jax.tree.map(lambda _: layout.rows, state)
+
 
 def tree_candidates(logits: jax.Array, tree: TreeSpec) -> jax.Array:
     """Per-depth guesses logits [B,K,V] (K >= max depth) -> candidates [B,T-1]: the node at

@@ -261,6 +261,13 @@ class ChimeraDrafter(Drafter):
             lookups = jnp.zeros((2,), jnp.int32)
         return ChimeraState(tokens, zeros(), zeros(), zeros(), zeros(), newest, table, lookups)
 
+    def state_shardings(self, state, layout):
+        """The encoder's keys/values split like the model's cache (its layer's weights are
+        split like the model's, mesh.table_specs), the trigram table replicated."""
+        kv, rows, whole = layout.kv, layout.rows, layout.replicated
+        table, lookups = (None, None) if state.table is None else (whole, whole)
+        return ChimeraState(rows, kv, kv, kv, kv, rows, table, lookups)
+
     def encode(self, params, drafter_params, tokens_n, table=None, needed=None):
         """tokens_n [B,Q,n] -> (trigram states [B,Q,D], which were cache hits [B,Q]).
         With a table, the encoder runs only if some `needed` [B,Q] trigram misses."""
