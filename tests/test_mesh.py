@@ -219,3 +219,20 @@ def test_export_mesh_programs(method):
     step = exported["step"]["cuda"]
     assert step.nr_devices == 4
     assert re.search(r"sharding<@mesh, \[\{\}, \{\"model\"\}\]>", step.mlir_module())
+
+
+@pytest.mark.slow
+def test_default_model_split_three_ways_gives_one_devices_tokens(capsys):
+    """SmolLM2 (9 heads, 3 kv heads) on model=3 with `jaxspec-generate --mesh`: every
+    method's token ids equal one device's, the weights a third per device."""
+    from infer.generate import main
+    from tests.test_cli import run_ok
+
+    argv = ["--json", "--max-new-tokens", "24", "Explain KV caches in one sentence."]
+    for method in ("ar", "medusa", "firp", "chimera", "sdsat"):
+        one = json.loads(run_ok(main, ["--method", method, *argv], capsys))
+        split = ["--mesh", "data=1,model=3", "--method", method, *argv]
+        got = json.loads(run_ok(main, split, capsys))
+        assert got["token_ids"] == one["token_ids"], method
+        third = got["weight_bytes_per_device"] / one["weight_bytes_per_device"]
+        assert 0.33 < third < 0.34, third  # norms (replicated) are a few KB
