@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxspec import METHODS
+from jaxspec import METHODS, hosts
 from jaxspec.api import Generator
 from jaxspec.cli import (
     ArgumentParser,
@@ -93,6 +93,7 @@ def parse_args(argv=None):
         help="how bfloat16 weights multiply: exact (float32-accurate, the default), one "
         "bfloat16 pass in the prefill only (plain-prefill) or everywhere (plain)",
     )  # fmt: skip
+    hosts.add_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     return p.parse_args(argv)
@@ -104,10 +105,18 @@ def main(argv=None) -> None:
 
 def _main(argv) -> None:
     args = parse_args(argv)
+    hosts.check(args.coordinator, args.num_processes, args.process_id)
     provide_devices_for([args.method], args.ppd_k)
     if args.mesh:
-        provide_devices(args.mesh["data"] * args.mesh["model"])
+        devices = args.mesh["data"] * args.mesh["model"]
+        provide_devices(hosts.local_device_count(devices, args.num_processes))
     prompts = [read_prompt(p) for p in args.prompts]
+    hosts.start(args.coordinator, args.num_processes, args.process_id)
+    with hosts.printing_on_first_process():
+        _generate(args, prompts)
+
+
+def _generate(args, prompts: list[str]) -> None:
     generator = Generator(
         load_model(args.model, args.dtype, make_mesh(args.mesh) if args.mesh else None),
         args.method, drafter=args.drafter, tree=args.tree,

@@ -63,17 +63,19 @@ PRODUCTS = ("exact", "plain-prefill", "plain")
 
 # On a mesh, each program's arguments and results by kind, which decides their shardings
 # (`SpeculativeGenerator._sharding`): "placed" (weights, as the generator placed them),
-# "rows" [B,...], "key", "cache" (a KVCache), "block" (a KVBlock), "state" (the
-# drafter's); and the argument each program donates.
+# "host" (small per-row arrays the host writes or reads: replicated, so every process
+# of a multi-host mesh holds them whole), "rows" [B,...] split over `data`, "key",
+# "cache" (a KVCache), "block" (a KVBlock), "state" (the drafter's); and the argument
+# each program donates.
 SIGNATURES = {
-    "prefill": (("placed", "placed", "rows", "rows", "key", "state", "cache"),
-                ("rows", "rows", "block", "state")),
-    "step": (("placed", "placed", "cache", "rows", "rows", "key", "state"),
-             ("rows", "rows", "rows", "rows", "block", "state")),
-    "commit_prompt": (("cache", "block", "rows"), "cache"),
-    "commit_path": (("cache", "block", "rows"), "cache"),
-    "extend": (("placed", "placed", "cache", "rows", "rows", "rows", "state"), ("block", "state")),
-    "redraft": (("placed", "placed", "cache", "rows"), "rows"),
+    "prefill": (("placed", "placed", "host", "host", "key", "state", "cache"),
+                ("host", "rows", "block", "state")),
+    "step": (("placed", "placed", "cache", "host", "rows", "key", "state"),
+             ("host", "host", "host", "rows", "block", "state")),
+    "commit_prompt": (("cache", "block", "host"), "cache"),
+    "commit_path": (("cache", "block", "host"), "cache"),
+    "extend": (("placed", "placed", "cache", "host", "host", "host", "state"), ("block", "state")),
+    "redraft": (("placed", "placed", "cache", "host"), "rows"),
 }  # fmt: skip
 DONATED = {"prefill": 5, "step": 6, "extend": 6, "commit_prompt": 0, "commit_path": 0}
 
@@ -117,10 +119,10 @@ def step_bytes(cfg: LlamaConfig, n_nodes: int, batch: int, cache_len: int) -> in
 
 
 def available_bytes() -> tuple[int, str]:
-    """-> (bytes a generation may still allocate, where): the default device's limit less
-    what is in use (the weights) on an accelerator, else the host's MemAvailable (its
-    physical memory where /proc/meminfo is missing)."""
-    device = jax.devices()[0]
+    """-> (bytes a generation may still allocate, where): this process's first device's
+    limit less what is in use (the weights) on an accelerator, else the host's MemAvailable
+    (its physical memory where /proc/meminfo is missing)."""
+    device = jax.local_devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.platform} device"
@@ -349,14 +351,15 @@ class SpeculativeGenerator:
             return layout.kv_tree(value)
         if kind == "state":
             return self.drafter.state_shardings(value, layout)
-        return {"rows": layout.rows, "key": layout.replicated, "block": layout.kv}[kind]
+        return {"rows": layout.rows, "host": layout.replicated, "key": layout.replicated,
+                "block": layout.kv}[kind]  # fmt: skip
 
     def _sharded(self, name: str, program: Callable, args: tuple, static: dict) -> Callable:
         """`program` with its static keywords, jitted for explicit shardings on the mesh:
         results come back where the next program expects them, so steps run from AOT
         executables as on one device; nothing is gathered that the layout splits."""
         kinds, results = SIGNATURES[name]
-        layout = Layout(self.mesh, args[kinds.index("rows")].shape[0])
+        layout = Layout(self.mesh, args[kinds.index("host")].shape[0])
         ins = tuple(self._sharding(k, a, layout) for k, a in zip(kinds, args, strict=True))
         like = {"cache": args[kinds.index("cache")] if "cache" in kinds else None,
                 "state": args[kinds.index("state")] if "state" in kinds else None}  # fmt: skip
