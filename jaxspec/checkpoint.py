@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
@@ -101,6 +102,48 @@ def load_params(path: Path, cfg: LlamaConfig, dtype=None) -> dict:
     params = unflatten_params({k: jnp.asarray(v, dtype) for k, v in flat.items()}, cfg.n_layers)
     check_params(params, cfg)
     return params
+
+
+def load_params_sharded(path: Path, cfg: LlamaConfig, mesh, dtype=None) -> dict:
+    """The checkpoint's params placed on `mesh` (jaxspec.mesh's layout) straight from the
+    file: each device's shard is read as a slice of its tensor, so a process reads only
+    what its devices hold (a model larger than one device, or host, loads)."""
+    from jaxspec.mesh import check_divides, param_specs
+
+    check_divides(cfg, mesh)
+    dtype = dtype or default_dtype()
+    file = Path(path) / WEIGHTS_FILE
+    specs = flatten_params(param_specs(cfg))
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            problems = shape_problems(expected_shapes(cfg), have, 12)
+            if problems:
+                raise JaxspecError(f"weights in {file} do not match the {cfg.name} config: "
+                                   f"{problems}")  # fmt: skip
+
+            def read(name: str) -> jax.Array:
+                stored, slices = (
+                    f.get_slice(name),
+                    {},
+                )  # devices holding the same slice share a read
+
+                def shard(index: tuple[slice, ...]) -> np.ndarray:
+                    key = tuple((s.start, s.stop) for s in index)
+                    if key not in slices:
+                        slices[key] = np.asarray(stored[index], dtype)
+                    return slices[key]
+
+                return jax.make_array_from_callback(
+                    have[name], NamedSharding(mesh, specs[name]), shard
+                )
+
+            flat = {name: read(name) for name in have}
+    except (SafetensorError, OSError) as e:
+        raise JaxspecError(
+            f"corrupt or unreadable weights {file} ({e}); delete the folder and convert again"
+        ) from None
+    return unflatten_params(flat, cfg.n_layers)
 
 
 def _ranges(indices: set[int]) -> str:

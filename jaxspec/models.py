@@ -9,7 +9,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxspec.checkpoint import default_dtype, is_checkpoint, load_checkpoint
+from jaxspec.checkpoint import (
+    CONFIG_FILE,
+    default_dtype,
+    is_checkpoint,
+    load_checkpoint,
+    load_params_sharded,
+)
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
@@ -54,13 +60,17 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
             f"no model at {path}: pass a jaxspec checkpoint folder (`jaxspec-convert SRC --out "
             "DIR` makes one), an HF model folder or a .gguf file"
         )
-    if is_checkpoint(path):
+    mesh = as_mesh(mesh)
+    if is_checkpoint(path) and mesh is not None:  # each process reads only its shards
+        cfg = LlamaConfig.load(path / CONFIG_FILE)
+        params = load_params_sharded(path, cfg, mesh)
+        tokenizer = load_tokenizer(path)
+    elif is_checkpoint(path):
         cfg, params = load_checkpoint(path)
         tokenizer = load_tokenizer(path)
-    else:
+    else:  # an HF folder or GGUF file: read whole, then placed
         cfg, params, tokenizer = load_any(path)
         params = jax.tree.map(lambda a: jnp.asarray(a, default_dtype()), params)
-    mesh = as_mesh(mesh)
-    if mesh is not None:  # placed as stored, then cast: each device casts its own shards
-        params = shard_params(params, cfg, mesh)
+        params = params if mesh is None else shard_params(params, cfg, mesh)
+    # placed as stored, then cast: each device casts its own shards
     return LoadedModel(path, cfg, compute_params(params, dtype), tokenizer, mesh)

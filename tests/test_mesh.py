@@ -13,6 +13,7 @@ from collections import Counter
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -236,3 +237,56 @@ def test_default_model_split_three_ways_gives_one_devices_tokens(capsys):
         assert got["token_ids"] == one["token_ids"], method
         third = got["weight_bytes_per_device"] / one["weight_bytes_per_device"]
         assert 0.33 < third < 0.34, third  # norms (replicated) are a few KB
+
+
+def test_sharded_loading_reads_only_each_devices_slices(tmp_path, monkeypatch):
+    """load_model(CKPT, mesh=2x2): the same weights as a whole load, each split tensor
+    read as the halves the devices hold and every slice once (the data axis's replicas
+    share a read): the bytes read are the checkpoint's, not the mesh's."""
+    from jaxspec import checkpoint
+    from jaxspec.checkpoint import flatten_params, save_checkpoint
+    from jaxspec.models import load_model
+
+    save_checkpoint(tmp_path, CFG, init_params(CFG, jax.random.key(0)))
+    reads = []
+
+    class CountingFile:  # safe_open, recording the shape of every slice read
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_slice(self, name):
+            stored = self.file.get_slice(name)
+            return CountingSlice(name, stored)
+
+    class CountingSlice:
+        def __init__(self, name, stored):
+            self.name, self.stored = name, stored
+
+        def get_shape(self):
+            return self.stored.get_shape()
+
+        def __getitem__(self, index):
+            data = self.stored[index]
+            reads.append((self.name, data.shape, data.nbytes))
+            return data
+
+    whole = flatten_params(load_model(tmp_path).params)
+    real_open = checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "safe_open", CountingFile)
+    split = flatten_params(load_model(tmp_path, mesh=make_mesh({"data": 2, "model": 2})).params)
+    for name, w in whole.items():
+        np.testing.assert_array_equal(np.asarray(split[name]), np.asarray(w))
+    for name, shape, _ in reads:
+        held = split[name].addressable_shards[0].data.shape
+        assert shape == held and (len(held) == 1 or held[0] * held[1] * 2 == whole[name].size)
+    assert sum(n for *_, n in reads) == sum(w.nbytes for w in whole.values())
