@@ -31,7 +31,7 @@ from jaxspec.llama import (
     run_layers,
     vocab_projection,
 )
-from jaxspec.mesh import Layout, check_divides, place, table_specs
+from jaxspec.mesh import Layout, check_divides, mesh_of, place, table_specs
 from jaxspec.sampling import Sampling, check_seed, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
@@ -285,9 +285,11 @@ class SpeculativeGenerator:
         it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS; mesh: a
         jax.sharding.Mesh (jaxspec.mesh) to decode on, tensor-parallel over its `model`
         axis and rows over `data` (params and drafter params are placed on it by the
-        parameter table, `mesh.table_specs`, unless they already are); None: one device."""
+        parameter table, `mesh.table_specs`, unless they already are); None: the mesh the
+        params are placed on (load_model(mesh=...)), if any, else one device."""
         if products not in PRODUCTS:
             raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
+        mesh = mesh_of(params) if mesh is None else mesh
         if mesh is not None:
             check_divides(cfg, mesh)
             params = place(params, table_specs(cfg, params), mesh)

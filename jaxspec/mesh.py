@@ -66,6 +66,14 @@ def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES)
 
 
+def mesh_of(params) -> Mesh | None:
+    """The mesh of data x model shape that `params` are placed on (load_model(mesh=...)),
+    None for arrays on one device."""
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None) if params else None
+    mesh = getattr(sharding, "mesh", None)
+    return mesh if isinstance(mesh, Mesh) and mesh.axis_names == MESH_AXES else None
+
+
 def check_divides(cfg: LlamaConfig, mesh: Mesh) -> None:
     """Every size the `model` axis splits must divide by it; else one error naming them
     and the model sizes that would work."""

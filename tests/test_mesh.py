@@ -290,3 +290,40 @@ def test_sharded_loading_reads_only_each_devices_slices(tmp_path, monkeypatch):
         held = split[name].addressable_shards[0].data.shape
         assert shape == held and (len(held) == 1 or held[0] * held[1] * 2 == whole[name].size)
     assert sum(n for *_, n in reads) == sum(w.nbytes for w in whole.values())
+
+
+TRAINERS = {  # method: (its flags for a seconds-long run, --batch, the loss its report shows)
+    "medusa": (["--heads", "2", "--steps", "6"], 16, "final_loss_per_head"),
+    "chimera": (["--rows", "8", "--heads", "2", "--steps", "3"], 2, "final_loss_per_head"),
+    "sdsat": (["--spans", "4", "--window", "3", "--rank", "2", "--ids", "2", "--cpu-tree",
+               "chain-3", "--steps", "3"], 2, "final_loss_per_depth"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", list(TRAINERS))
+def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path):
+    """jaxspec-train METHOD --mesh data=2 (each step's batch split over two devices, the
+    gradients summed by the compiled step): the losses and weights of one device, within
+    float tolerance (sums in another order). The second run reuses the first's answers."""
+    import importlib
+    import shutil
+
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.drafters.store import load_drafter
+    from tests.conftest import tiny_training_args, train_on_made_up_conversations
+
+    flags, batch, loss = TRAINERS[method]
+    trainer = importlib.import_module(f"train.{method}")
+
+    def run(name: str, *extra: str) -> dict:
+        args = tiny_training_args(tiny_ckpt[0], tmp_path / name, train_seqs=6, batch=batch)
+        return train_on_made_up_conversations(trainer, [*args, *flags, *extra])[0]
+
+    one = run("one")
+    shutil.copytree(tmp_path / "one", tmp_path / "two",
+                    ignore=shutil.ignore_patterns("checkpoints", "out"))  # fmt: skip
+    two = run("two", "--mesh", "data=2")
+    np.testing.assert_allclose(two[loss], one[loss], rtol=1e-3, atol=2e-4)  # reports round
+    cfg, _ = load_checkpoint(tiny_ckpt[0])
+    weights = [load_drafter(tmp_path / n / "out", method, cfg).params for n in ("one", "two")]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4), *weights)

@@ -11,9 +11,20 @@ from pathlib import Path
 
 from jaxspec.checkpoint import default_model_dir, jaxspec_home
 from jaxspec.cli import ArgumentParser, nonnegative_float, positive_int, seed
+from jaxspec.errors import JaxspecError
+from jaxspec.mesh import parse_mesh
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 
 from .checkpoints import run_name
+
+
+def mesh_flag(text: str) -> str:
+    """A mesh "data=D,model=M", checked, kept as written (run records and cards show it)."""
+    try:
+        parse_mesh(text)
+    except JaxspecError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--mesh ")) from None
+    return text
 
 
 def int_list(text: str) -> str:
@@ -68,6 +79,11 @@ def trainer_parser(
             help="start from this drafter's weights (a folder of the same method and model), "
             "e.g. to train a shipped drafter further on more data",
         )
+    p.add_argument(
+        "--mesh", type=mesh_flag,
+        help="data=D,model=M: each step's batch split over D devices, the frozen model over M "
+        "(on CPU the D*M virtual devices are set up for you; default: one device)",
+    )  # fmt: skip
     p.add_argument("--train-seqs", type=positive_int, default=train_seqs)
     p.add_argument("--test-seqs", type=positive_int, default=40)
     p.add_argument("--prompt-len", type=positive_int, default=128, help="longest prompt")

@@ -23,8 +23,9 @@ LATER_FLAGS = {"bottom": "ngram", "init": None}
 def run_name(args) -> str:
     """Checkpoints live per training setting: a rerun with the same flags resumes, a run
     with different ones starts fresh (more --steps continue the same run)."""
-    # Flags that do not change the weights.
-    after_training = ("save_every", "out", "overwrite", "steps", "draft_vocab", "cache_prefill")
+    # Flags that do not change the weights (a mesh: within float tolerance).
+    after_training = ("save_every", "out", "overwrite", "steps", "draft_vocab", "cache_prefill",
+                      "mesh")  # fmt: skip
     flags = {
         k: v
         for k, v in vars(args).items()

@@ -186,6 +186,7 @@ def evaluate(drafter, base, params, features) -> np.ndarray:
 
 class Chimera(Trainer):
     method = "chimera"
+    data_parallel = True
 
     def prepare(self) -> None:
         """Features (in the shared training folder) and the drafter."""
@@ -205,8 +206,9 @@ class Chimera(Trainer):
         rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
         seqs = rng.integers(0, len(self.train_f["tokens"]), args.batch)
         rows = sample_rows(self.train_f, seqs, args.rows, args.heads, rng)
+        batch = self.split_batch(*batch_arrays(self.train_f, seqs, rows, args.targets))
         return train_step(
-            state, self.model.params, *batch_arrays(self.train_f, seqs, rows, args.targets),
+            state, self.model.params, *batch,
             self.weights, drafter=self.drafter, optimizer=self.optimizer, targets=args.targets,
             distill=args.distill,
         )  # fmt: skip

@@ -291,7 +291,7 @@ class Firp(Trainer):
             print(
                 f"resumed at FIRP step {int(state['stage']) + 1}, update {int(state['stage_step'])}"
             )
-        return manager, state
+        return manager, self.replicated(state)
 
     def fit(self, manager, state):
         """--steps updates per FIRP step, one stage after the other -> (state, the final

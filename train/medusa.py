@@ -117,6 +117,7 @@ def evaluate(drafter, base, params, features, targets, batch=512) -> np.ndarray:
 
 class Medusa(Trainer):
     method = "medusa"
+    data_parallel = True
 
     def prepare(self) -> None:
         """Features (cached per split, count and lengths: reruns reuse them), the training
@@ -145,8 +146,9 @@ class Medusa(Trainer):
         args = self.args
         idx = self.order[(step * args.batch + np.arange(args.batch)) % len(self.order)]
         h, h_future = gather(self.train_f, self.pairs[idx], args.heads, args.targets == "kl")
+        h, labels, h_future = self.split_batch(h, self.labels[idx], h_future)
         return train_step(
-            state, self.model.params, h, jnp.asarray(self.labels[idx]), h_future, self.weights,
+            state, self.model.params, h, labels, h_future, self.weights,
             drafter=self.drafter, optimizer=self.optimizer,
         )  # fmt: skip
 

@@ -145,6 +145,11 @@ class Ppd(Trainer):
 
     def __init__(self, args, model):
         super().__init__(args, model)
+        if model.mesh is not None:
+            raise JaxspecError(
+                "jaxspec-train ppd measures its heads in PPD's pipeline, which places itself "
+                "on devices: drop --mesh"
+            )
         self.layers = head_layers(args.layers, model.cfg.n_layers)
 
     def prepare(self) -> None:

@@ -204,6 +204,7 @@ class Sdsat(Trainer):
     """Mode (b): the adapter and the adaptive tokens' embeddings on the frozen model."""
 
     method, folder, show_every = "sdsat", "sdsat-adapter", 5
+    data_parallel = True
 
     def prepare(self) -> None:
         """The answers (in the shared training folder) and the drafter."""
@@ -223,7 +224,7 @@ class Sdsat(Trainer):
         lengths = data["lengths"][seqs]
         spans = span_starts(data["starts"][seqs], lengths, args.spans, rng)
         return train_step(
-            state, self.model.params, data["tokens"][seqs], lengths, spans,
+            state, self.model.params, *self.split_batch(data["tokens"][seqs], lengths, spans),
             drafter=self.drafter, optimizer=self.optimizer, L=args.window,
         )  # fmt: skip
 

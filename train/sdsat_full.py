@@ -79,6 +79,7 @@ class FullSdsat(Sdsat):
     """Mode (a): every weight of the model with the vocabulary extended (no --init)."""
 
     folder, desc = "sdsat-full", "train sdsat (full)"
+    data_parallel = False  # its step trains the whole model, in one piece
     wrote = "wrote the fine-tuned model to {out} (its drafter: {out}/sdsat)"
 
     def default_out(self) -> Path:
@@ -94,7 +95,8 @@ class FullSdsat(Sdsat):
 
     def start(self):
         """From the extended model (--init is an adapter's: not for this mode)."""
-        return resume_training(self.work, self.args, self.extended, self.optimizer)
+        manager, state = resume_training(self.work, self.args, self.extended, self.optimizer)
+        return manager, self.replicated(state)
 
     def step(self, state, step):
         args, data = self.args, self.train_data

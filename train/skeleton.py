@@ -23,12 +23,17 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.drafters.store import save_drafter
+from jaxspec.errors import JaxspecError
+from jaxspec.mesh import make_mesh, parse_mesh
+from jaxspec.methods import provide_devices
 from jaxspec.models import load_model
 
 from .acceptance import measure_acceptance
@@ -58,9 +63,37 @@ class Trainer:
     show_every: ClassVar[int] = 10  # steps between progress-bar losses
     wrote: ClassVar[str] = "wrote the drafter to {out}"  # the last line printed
 
+    data_parallel: ClassVar[bool] = False  # `step` splits its batch over `data` (split_batch)
+
     def __init__(self, args, model):
         """Subclasses check here the flags that depend on the model (before any folder)."""
         self.args, self.model, self.cfg = args, model, model.cfg
+        self.mesh = model.mesh
+        data = self.mesh.shape["data"] if self.mesh is not None else 1
+        if data > 1 and not self.data_parallel:
+            raise JaxspecError(
+                f"jaxspec-train {self.method} does not split its batch over devices yet; "
+                "use --mesh model=M (the frozen model split, the batch whole), or train "
+                "medusa, chimera or sdsat's adapter"
+            )
+        if args.batch % data:
+            raise JaxspecError(f"--batch {args.batch} does not split over data={data} devices; "
+                               f"use a multiple of {data}")  # fmt: skip
+
+    def split_batch(self, *arrays):
+        """Batch arrays [N,...] split by rows over the mesh's `data` axis (as they are on
+        one device): each device computes its rows' loss and gradient, and the compiled
+        step sums the gradients over `data`."""
+        if self.mesh is None:
+            return arrays
+        rows = NamedSharding(self.mesh, PartitionSpec("data"))
+        return tuple(None if x is None else jax.device_put(x, rows) for x in arrays)
+
+    def replicated(self, tree):
+        """The training state on every device of the mesh (as it is on one device)."""
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
     # -- where the run writes
     def default_work(self) -> Path:
@@ -105,7 +138,8 @@ class Trainer:
         """-> (checkpoint manager, {"params", "opt_state", "step"}): the run's latest saved
         state, else `fresh()` (or --init's weights) with a new optimizer state."""
         params = initial_params(self.args, self.method, self.cfg, self.fresh())
-        return resume_training(self.work, self.args, params, self.optimizer)
+        manager, state = resume_training(self.work, self.args, params, self.optimizer)
+        return manager, self.replicated(state)
 
     def step(self, state, step: int):
         """Batch `step` and one update -> (state, aux: what `shown` and `finish` read)."""
@@ -178,7 +212,10 @@ class Trainer:
 
 def train(kind: type[Trainer], args) -> dict:
     """Train with `kind` for the parsed `args` -> its report."""
-    trainer = kind(args, load_model(args.model))
+    shape = parse_mesh(args.mesh) if args.mesh else None
+    if shape:
+        provide_devices(shape["data"] * shape["model"])
+    trainer = kind(args, load_model(args.model, mesh=shape and make_mesh(shape)))
     work = args.work_dir or trainer.default_work()
     with training_run(args, work, trainer.default_out()) as out:
         return trainer.run(work, out)
