@@ -14,6 +14,7 @@ from jaxspec import METHODS
 from jaxspec.bench import PEERS, check_rows, markdown, run_benchmark, write_results
 from jaxspec.cli import (
     ArgumentParser,
+    mesh_flag,
     nonnegative_int,
     positive_int,
     probability,
@@ -91,6 +92,11 @@ def parse_args(argv=None):
         help="how every row's bfloat16 weights multiply: exact (the default), plain-prefill "
         "or plain (one bfloat16 pass in the prefill, or everywhere)",
     )  # fmt: skip
+    p.add_argument(
+        "--mesh", type=mesh_flag,
+        help="data=D,model=M: split the model over devices (tensor parallel over model; on CPU "
+        "the D*M virtual devices are set up for you; not with ppd rows)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -143,7 +149,7 @@ def _main(argv) -> None:
         per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         drafters=parse_drafters(args.drafter, rows), single_turn=args.single_turn,
         sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
-        ppd_k=args.ppd_k, dtype=args.dtype, products=args.products,
+        ppd_k=args.ppd_k, dtype=args.dtype, products=args.products, mesh=args.mesh,
         command="jaxspec-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     )  # fmt: skip
     write_results(result, paths)

@@ -22,7 +22,8 @@ from jaxspec.data.sources import load_questions, select_questions
 from jaxspec.drafters.registry import REGISTRY, parse_row
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
-from jaxspec.methods import build_generator, provide_devices_for
+from jaxspec.mesh import make_mesh, parse_mesh
+from jaxspec.methods import build_generator, provide_devices, provide_devices_for
 from jaxspec.models import DTYPES, load_model
 from jaxspec.outputs import atomic_path, write_text
 from jaxspec.sampling import Sampling
@@ -57,19 +58,26 @@ def run_benchmark(
     dtype: str = "float32",
     products: str = "exact",
     command: str = "",
+    mesh: str | None = None,
 ) -> dict:
     """Every row on the questions ('humaneval', 'sharegpt-test' or a Spec-Bench .jsonl) ->
     the result record (per-row and per-category tokens/s, speedup over "ar", mean accepted
     tokens, match_ar). drafters: method -> drafter folder replacing the shipped one;
-    products: how every row's bfloat16 weights multiply (jaxspec.decode.PRODUCTS)."""
+    products: how every row's bfloat16 weights multiply (jaxspec.decode.PRODUCTS); mesh:
+    "data=D,model=M" to split the model over (jaxspec.mesh; not with ppd rows)."""
     methods = check_rows(rows)
+    shape = parse_mesh(mesh) if mesh else None
+    if shape and any(parse_row(m)[0] == "ppd" for m in methods if m not in PEERS):
+        raise JaxspecError("ppd places its pipeline on devices itself: drop --mesh or its row")
+    if shape:
+        provide_devices(shape["data"] * shape["model"])
     drafters = drafters or {}
     sampling = sampling or Sampling()
     provide_devices_for([parse_row(m)[0] for m in methods if m not in PEERS], ppd_k)
     chosen = select_questions(load_questions(questions), limit, per_category)
     if not chosen:
         raise JaxspecError("no questions selected; check --questions / --limit")
-    stored = load_model(model)
+    stored = load_model(model, mesh=shape and make_mesh(shape))
     models = {}  # dtype -> the model with its weights cast from the stored ones
 
     def model_for(name: str):
@@ -102,6 +110,8 @@ def run_benchmark(
         "top_k": sampling.top_k,
         "dtype": dtype,
         "products": products,
+        "mesh": mesh,
+        "weight_bytes_per_device": stored.bytes_per_device(),
         "drafters": {m: str(folder) for m, folder in drafters.items()},
         "methods": overall,
         "categories": categories,

@@ -88,3 +88,14 @@ temperature = _bounded(float, 0, says="must be 0 (greedy) or positive")
 probability = _bounded(float, 0, 1, low_open=True, says="must be in (0, 1]")
 # The bound of sampling.check_seed, checked here without importing jax.
 seed = _bounded(int, 0, 2**32 - 1, says="a seed is an integer from 0 to 2**32 - 1")
+
+
+def mesh_flag(text: str) -> str:
+    """A mesh "data=D,model=M", checked, kept as written (run records and cards show it)."""
+    from jaxspec.mesh import parse_mesh
+
+    try:
+        parse_mesh(text)
+    except JaxspecError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--mesh ")) from None
+    return text

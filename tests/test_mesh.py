@@ -70,7 +70,8 @@ def test_megatron_layout_comes_from_the_logical_axes():
 
 
 def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys):
-    """jaxspec-generate --mesh: the same token ids, the weights split two ways."""
+    """jaxspec-generate --mesh: the same token ids, the weights split two ways; and
+    jaxspec-bench --mesh: Medusa's tokens are AR's on the mesh."""
     from infer.generate import main
     from jaxspec.checkpoint import save_checkpoint
     from tests.conftest import one_line_error, tiny_tokenizer
@@ -89,6 +90,18 @@ def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys
         assert got["weight_bytes_per_device"] < 0.6 * one["weight_bytes_per_device"]
     err = one_line_error(main, ["--model", str(tiny_ckpt[0]), "--mesh", "model=2", "w5"], capsys)
     assert "model=2 does not divide ffn_dim 83" in err
+
+    from infer.bench import main as bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "a", "turns": ["w5 w6"]}))
+    out = tmp_path / "r.json"
+    run_ok(bench, ["--model", str(tmp_path / "m"), "--methods", "ar,medusa", "--drafter",
+                   f"medusa={tmp_path / 'd'}", "--questions", str(questions), "--max-new-tokens",
+                   "8", "--mesh", "data=1,model=2", "--out", str(out)], capsys)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["methods"]["medusa"]["match_ar"] == 1.0 and result["mesh"] == "data=1,model=2"
+    assert result["weight_bytes_per_device"] == got["weight_bytes_per_device"]
 
 
 def write_medusa(folder, cfg, model_dir):
@@ -327,3 +340,17 @@ def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path):
     cfg, _ = load_checkpoint(tiny_ckpt[0])
     weights = [load_drafter(tmp_path / n / "out", method, cfg).params for n in ("one", "two")]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4), *weights)
+
+
+def test_training_meshes_it_cannot_use_are_one_line_errors(tiny_ckpt, tmp_path, capsys):
+    from jaxspec.tools.train.cli import main
+    from tests.conftest import one_line_error, tiny_training_args
+
+    flags = tiny_training_args(tiny_ckpt[0], tmp_path, batch=3)
+    err = one_line_error(main, ["medusa", *flags, "--mesh", "data=2"], capsys)
+    assert "--batch 3 does not split over data=2 devices; use a multiple of 2" in err
+    err = one_line_error(main, ["firp", *flags, "--mesh", "data=2"], capsys)
+    assert "jaxspec-train firp does not split its batch over devices yet" in err
+    err = one_line_error(main, ["ppd", *flags, "--mesh", "model=1"], capsys)
+    assert "drop --mesh" in err
+    assert "expected AXIS=N" in one_line_error(main, ["medusa", "--mesh", "rows=2"], capsys)

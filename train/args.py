@@ -10,21 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jaxspec.checkpoint import default_model_dir, jaxspec_home
-from jaxspec.cli import ArgumentParser, nonnegative_float, positive_int, seed
-from jaxspec.errors import JaxspecError
-from jaxspec.mesh import parse_mesh
+from jaxspec.cli import ArgumentParser, mesh_flag, nonnegative_float, positive_int, seed
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 
 from .checkpoints import run_name
-
-
-def mesh_flag(text: str) -> str:
-    """A mesh "data=D,model=M", checked, kept as written (run records and cards show it)."""
-    try:
-        parse_mesh(text)
-    except JaxspecError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--mesh ")) from None
-    return text
 
 
 def int_list(text: str) -> str:
