@@ -39,7 +39,7 @@ S = 24  # tokens per made-up sequence: prompt 0..7, answer 8..length-1
 @functools.cache
 def model() -> SimpleNamespace:
     """What the trainers read of a loaded model."""
-    return SimpleNamespace(cfg=CFG, params=init_params(CFG, jax.random.key(0)))
+    return SimpleNamespace(cfg=CFG, params=init_params(CFG, jax.random.key(0)), mesh=None)
 
 
 @functools.cache
