@@ -95,7 +95,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--mesh", type=mesh_flag,
         help="data=D,model=M: split the model over devices (tensor parallel over model; on CPU "
-        "the D*M virtual devices are set up for you; not with ppd rows)",
+        "the D*M virtual devices are set up for you; ppd rows: each stage split M ways)",
     )  # fmt: skip
     return p.parse_args(argv)
 

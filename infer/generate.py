@@ -106,7 +106,7 @@ def main(argv=None) -> None:
 def _main(argv) -> None:
     args = parse_args(argv)
     hosts.check(args.coordinator, args.num_processes, args.process_id)
-    provide_devices_for([args.method], args.ppd_k)
+    provide_devices_for([args.method], args.ppd_k, args.mesh["model"] if args.mesh else 1)
     if args.mesh:
         devices = args.mesh["data"] * args.mesh["model"]
         provide_devices(hosts.local_device_count(devices, args.num_processes))

@@ -64,16 +64,15 @@ def run_benchmark(
     the result record (per-row and per-category tokens/s, speedup over "ar", mean accepted
     tokens, match_ar). drafters: method -> drafter folder replacing the shipped one;
     products: how every row's bfloat16 weights multiply (jaxspec.decode.PRODUCTS); mesh:
-    "data=D,model=M" to split the model over (jaxspec.mesh; not with ppd rows)."""
+    "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M)."""
     methods = check_rows(rows)
     shape = parse_mesh(mesh) if mesh else None
-    if shape and any(parse_row(m)[0] == "ppd" for m in methods if m not in PEERS):
-        raise JaxspecError("ppd places its pipeline on devices itself: drop --mesh or its row")
+    split = shape["model"] if shape else 1
+    provide_devices_for([parse_row(m)[0] for m in methods if m not in PEERS], ppd_k, split)
     if shape:
         provide_devices(shape["data"] * shape["model"])
     drafters = drafters or {}
     sampling = sampling or Sampling()
-    provide_devices_for([parse_row(m)[0] for m in methods if m not in PEERS], ppd_k)
     chosen = select_questions(load_questions(questions), limit, per_category)
     if not chosen:
         raise JaxspecError("no questions selected; check --questions / --limit")

@@ -39,11 +39,11 @@ def provide_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def provide_devices_for(names, ppd_k: int | None = None) -> None:
+def provide_devices_for(names, ppd_k: int | None = None, model_split: int = 1) -> None:
     """Virtual CPU devices for the methods among `names` that pipeline over ppd_k + 1
-    devices (those taking the ppd_k option)."""
+    stages (those taking the ppd_k option), of model_split devices each."""
     if any("ppd_k" in method(name).options for name in names):
-        provide_devices((ppd_k or PPD_K) + 1)
+        provide_devices(((ppd_k or PPD_K) + 1) * model_split)
 
 
 def check_method(name: str) -> None:
@@ -90,9 +90,11 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
         raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
     if products != "exact":
         raise JaxspecError("ppd multiplies exactly: --products applies to the other methods")
-    if model.mesh is not None:
+    split = 1 if model.mesh is None else model.mesh.shape["model"]
+    if model.mesh is not None and model.mesh.shape["data"] > 1:
         raise JaxspecError(
-            "ppd places its pipeline on devices itself: load the model without --mesh"
+            "ppd pipelines one sequence at a time: use --mesh data=1,model=M (each of its "
+            "k + 1 stages then holds the model split M ways)"
         )
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
     default_layer, heads = None, {}
@@ -104,7 +106,8 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
     k = options.get("ppd_k") or PPD_K
     layer = options.get("ppd_layer") or default_layer
     layer = layer or (model.cfg.n_layers + 1) // 2
-    return PpdGenerator(model.cfg, model.params, k, layer, heads.get(head_name(layer)), max_len)
+    return PpdGenerator(model.cfg, model.params, k, layer, heads.get(head_name(layer)), max_len,
+                        model_split=split)  # fmt: skip
 
 
 def build_speculative(

@@ -1,4 +1,6 @@
-"""PPD: predictive pipelined decoding, exact greedy decoding over k+1 devices.
+"""PPD: predictive pipelined decoding, exact greedy decoding over k+1 stages: devices, or
+groups of `model_split` devices that each hold the model split tensor-parallel (a data=1,
+model=M mesh, jaxspec.mesh's layout).
 
 Early prediction: the state after d̄ of the d layers, through an optional per-layer head
 (ResBlock, zero-initialised, so no head = the untrained early exit) and then the model's
@@ -27,6 +29,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.settings import DrafterSettings
@@ -35,6 +39,8 @@ from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache
 from jaxspec.layers import dense
 from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.mesh import check_divides, make_mesh, table_specs
+from jaxspec.mesh import place as place_by_table
 
 
 def early_logits(params, cfg: LlamaConfig, head, h: jax.Array) -> jax.Array:
@@ -72,23 +78,55 @@ def check_settings(cfg: LlamaConfig, k: int, layer: int) -> None:
         raise JaxspecError(f"--ppd-k must be >= 1, got {k}")
 
 
+def stages(devices: list, model_split: int) -> list:
+    """The devices as PPD stages: each device (model_split 1), else each run of model_split
+    devices as a data=1,model=model_split mesh."""
+    if model_split == 1:
+        return list(devices)
+    if len(devices) < model_split:
+        raise JaxspecError(f"ppd on model={model_split} needs at least {model_split} devices, "
+                           f"{len(devices)} found")  # fmt: skip
+    return [
+        make_mesh({"model": model_split}, devices[i : i + model_split])
+        for i in range(0, len(devices) - model_split + 1, model_split)
+    ]
+
+
 def place(devices: list, k: int) -> tuple[object, list]:
-    """-> (main device, the k sub-processes' devices): one device each when there are k + 1;
-    with fewer, the sub-processes share devices[1:] in turn (all of them devices[0] when it
-    is the only one), which computes the same tokens without the pipeline's parallelism,
-    and says so in a warning."""
+    """-> (main stage, the k sub-processes' stages), from a list of stages (devices or
+    meshes): one each when there are k + 1; with fewer, the sub-processes share devices[1:]
+    in turn (all of them devices[0] when it is the only one), which computes the same
+    tokens without the pipeline's parallelism, and says so in a warning."""
     if len(devices) > k:
         return devices[0], devices[1 : k + 1]
+    per = devices[0].size if isinstance(devices[0], Mesh) else 1
+    what = "device(s)" if per == 1 else f"stage(s) of {per} devices"
     warnings.warn(
         f"PPD with k={k} runs its {k} sub-processes on {max(len(devices) - 1, 1)} shared "
-        f"device(s) ({len(devices)} found, {k + 1} wanted): the same tokens, without "
-        f"the pipeline's parallelism; on CPU set XLA_FLAGS="
-        f"--xla_force_host_platform_device_count={k + 1} before jax starts",
+        f"{what} ({len(devices)} found, {k + 1} wanted): the same tokens, without the "
+        f"pipeline's parallelism; on CPU set XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={(k + 1) * per} before jax starts",
         RuntimeWarning,
         stacklevel=3,
     )
     pool = devices[1:] or devices[:1]
     return devices[0], [pool[j % len(pool)] for j in range(k)]
+
+
+def _put(x, stage):
+    """Arrays (a cache, a KVBlock, states, tokens) on a stage: a device, or a mesh where
+    keys/values [B,K,T,H] split by kv heads over `model` and the rest is replicated."""
+    if not isinstance(stage, Mesh):
+        return jax.device_put(x, stage)
+    kv, whole = NamedSharding(stage, P(None, "model", None, None)), NamedSharding(stage, P())
+    return jax.tree.map(lambda a: jax.device_put(a, kv if np.ndim(a) == 4 else whole), x)
+
+
+def _put_params(params, cfg: LlamaConfig, stage):
+    """Weights on a stage: a device, or split over a mesh by the parameter table."""
+    if not isinstance(stage, Mesh):
+        return jax.device_put(params, stage)
+    return place_by_table(params, table_specs(cfg, params), stage)
 
 
 @partial(jax.jit, static_argnames=("cfg", "start", "stop"))
@@ -148,7 +186,8 @@ class _Pipeline:
 
 class PpdGenerator:
     """Greedy generation with PPD on devices[0] (main) and devices[1..k] (sub-processes;
-    shared when there are fewer, see `place`).
+    shared when there are fewer, see `place`); with model_split M, on stages of M devices
+    each holding the model tensor-parallel (devices[0:M] the main stage, and so on).
 
     Before a prompt bucket and cache length are first timed, every program of a generation
     (per device) is compiled and run once on throwaway inputs, as SpeculativeGenerator does:
@@ -157,18 +196,20 @@ class PpdGenerator:
     """
 
     def __init__(self, cfg, params, k: int = 3, layer: int | None = None, head=None,
-                 max_len: int | None = None, devices=None):  # fmt: skip
+                 max_len: int | None = None, devices=None, model_split: int = 1):  # fmt: skip
         devices = list(devices or jax.devices())
         layer = layer if layer is not None else (cfg.n_layers + 1) // 2
         check_settings(cfg, k, layer)
         self.cfg, self.k, self.layer, self.head = cfg, k, layer, head
         self.m = cfg.n_layers - layer
         self.max_len = max_len or cfg.max_position
-        self.main, self.subs = place(devices, k)
-        self.params = jax.device_put(params, self.main)
+        self.main, self.subs = place(stages(devices, model_split), k)
+        if model_split > 1:
+            check_divides(cfg, self.main)
+        self.params = _put_params(params, cfg, self.main)
         lower = {**params, "layers": params["layers"][: self.m]}
-        self.sub_params = [jax.device_put(lower, d) for d in self.subs]
-        self.head_main = None if head is None else jax.device_put(head, self.main)
+        self.sub_params = [_put_params(lower, cfg, d) for d in self.subs]
+        self.head_main = None if head is None else _put(head, self.main)
         self.last_stats: PpdStats | None = None
         self._warm: set[tuple[int, int]] = set()  # (prompt bucket, cache length) run before
 
@@ -204,13 +245,13 @@ class PpdGenerator:
         """Prefill tokens [1,P] (the first `length` real) into S-slot caches."""
         cfg, m = self.cfg, self.m
         length = jnp.asarray([length], jnp.int32)
-        cache = jax.device_put(init_cache(cfg, 1, S), self.main)
-        token, block = _prefill(self.params, jax.device_put(tokens, self.main), length, cfg=cfg)
+        cache = _put(init_cache(cfg, 1, S), self.main)
+        token, block = _prefill(self.params, _put(tokens, self.main), length, cfg=cfg)
         cache = commit(cache, block, length)
         lower_cfg = dataclasses.replace(cfg, n_layers=m)
         sub_caches = [
-            commit(jax.device_put(init_cache(lower_cfg, 1, S), d),
-                   jax.device_put(_lower(block, m), d), jax.device_put(length, d))
+            commit(_put(init_cache(lower_cfg, 1, S), d),
+                   _put(_lower(block, m), d), _put(length, d))
             for d in self.subs
         ]  # fmt: skip
         return _Pipeline(cache, sub_caches, token)
@@ -232,19 +273,19 @@ class PpdGenerator:
         guesses = _early_top(self.params, self.head_main, h, cfg=cfg, k=self.k)
         # The sub-processes' caches gain the token's lower layers; then all k + 1 run.
         pipe.sub_caches = [
-            commit(c, jax.device_put(low, d), jax.device_put(one, d))
+            commit(c, _put(low, d), _put(one, d))
             for c, d in zip(pipe.sub_caches, self.subs, strict=True)
         ]
         sub_runs = [
-            _layers(p, c, _embed_token(p, jax.device_put(guesses[j], d), cfg=cfg),
-                    jax.device_put(position + 1, d), cfg=cfg, start=0, stop=m)
+            _layers(p, c, _embed_token(p, _put(guesses[j], d), cfg=cfg),
+                    _put(position + 1, d), cfg=cfg, start=0, stop=m)
             for j, (p, c, d) in enumerate(zip(self.sub_params, pipe.sub_caches, self.subs,
                                               strict=True))
         ]  # fmt: skip
         h, top = _layers(self.params, cache, h, position, cfg=cfg, start=dbar, stop=cfg.n_layers)
         pipe.token = _next_token(self.params, h, cfg=cfg)
         full = KVBlock(low.keys + mid.keys + top.keys, low.values + mid.values + top.values)
-        pipe.cache = commit(cache, jax.device_put(full, self.main), one)
+        pipe.cache = commit(cache, _put(full, self.main), one)
         pipe.handed = None
         return int(pipe.token[0]), np.asarray(guesses), sub_runs
 
@@ -257,7 +298,7 @@ class PpdGenerator:
         start = time.perf_counter()
         pipe = self._start(np.zeros((1, P), np.int32), 1, S)
         _, _, sub_runs = self._round(pipe)
-        pipe.handed = jax.device_put(sub_runs[0], self.main)
+        pipe.handed = _put(sub_runs[0], self.main)
         self._round(pipe)
         jax.block_until_ready((pipe.cache, pipe.sub_caches))
         self._warm.add((P, S))
@@ -285,7 +326,7 @@ class PpdGenerator:
             hit = np.flatnonzero(guesses == next_id)
             matches.append(bool(hit.size))
             if hit.size:
-                pipe.handed = jax.device_put(sub_runs[int(hit[0])], self.main)
+                pipe.handed = _put(sub_runs[int(hit[0])], self.main)
             out.append(next_id)
             if on_tokens:
                 on_tokens([next_id])

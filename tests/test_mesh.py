@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import re
+import warnings
 from collections import Counter
 
 import jax
@@ -70,7 +71,8 @@ def test_megatron_layout_comes_from_the_logical_axes():
 
 
 def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys):
-    """jaxspec-generate --mesh: the same token ids, the weights split two ways; and
+    """jaxspec-generate --mesh (ar, medusa, ppd): the same token ids, the weights split two
+    ways; and
     jaxspec-bench --mesh: Medusa's tokens are AR's on the mesh."""
     from infer.generate import main
     from jaxspec.checkpoint import save_checkpoint
@@ -81,11 +83,13 @@ def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys
     save_checkpoint(tmp_path / "m", cfg, init_params(cfg, jax.random.key(0)), tiny_tokenizer())
     argv = ["--model", str(tmp_path / "m"), "--json", "--max-new-tokens", "12", "w5 w9 w7"]
     one = json.loads(run_ok(main, argv, capsys))
-    for method in ("ar", "medusa"):
+    for method in ("ar", "medusa", "ppd"):  # ppd: its stages on model=2 meshes (shared)
         mesh = ["--mesh", "data=1,model=2", "--method", method]
-        if method != "ar":
+        if method == "medusa":
             mesh += ["--drafter", str(write_medusa(tmp_path / "d", cfg, tmp_path / "m"))]
-        got = json.loads(run_ok(main, mesh + argv, capsys))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # 4 devices: ppd's stages shared
+            got = json.loads(run_ok(main, mesh + argv, capsys))
         assert got["token_ids"] == one["token_ids"], method
         assert got["weight_bytes_per_device"] < 0.6 * one["weight_bytes_per_device"]
     err = one_line_error(main, ["--model", str(tiny_ckpt[0]), "--mesh", "model=2", "w5"], capsys)
@@ -343,8 +347,8 @@ def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path):
 
 
 def test_training_meshes_it_cannot_use_are_one_line_errors(tiny_ckpt, tmp_path, capsys):
-    from jaxspec.tools.train.cli import main
     from tests.conftest import one_line_error, tiny_training_args
+    from train.cli import main
 
     flags = tiny_training_args(tiny_ckpt[0], tmp_path, batch=3)
     err = one_line_error(main, ["medusa", *flags, "--mesh", "data=2"], capsys)
@@ -354,3 +358,20 @@ def test_training_meshes_it_cannot_use_are_one_line_errors(tiny_ckpt, tmp_path, 
     err = one_line_error(main, ["ppd", *flags, "--mesh", "model=1"], capsys)
     assert "drop --mesh" in err
     assert "expected AXIS=N" in one_line_error(main, ["medusa", "--mesh", "rows=2"], capsys)
+
+
+def test_ppd_on_stages_split_over_model_is_greedy():
+    """PPD with model_split=2: each stage a data=1,model=2 mesh holding the model split in
+    two (4 devices: the main stage and one shared by the sub-processes); AR's tokens, with
+    sub-process states handed over between meshes."""
+    from jaxspec.ppd import PpdGenerator
+
+    cfg = dataclasses.replace(CFG4, n_layers=6)
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 40).token_ids
+    with pytest.warns(RuntimeWarning, match="shared"):
+        gen = PpdGenerator(cfg, params, k=2, layer=3, model_split=2)
+    assert gen.params["layers"][0]["q_proj"].sharding.spec == P(None, "model")
+    assert gen.generate(prompt, 40).token_ids == ar
+    assert any(gen.last_stats.matches)
