@@ -153,7 +153,7 @@ def one_device_tokens(method: str, sampling=None) -> list[list[int]]:
 @pytest.mark.parametrize(
     "method, mesh",
     [(m, "2x2") for m in ("ar", "medusa", "firp", "chimera", "sdsat")]
-    + [(m, shape) for m in ("ar", "chimera") for shape in ("1x4", "2x1")]
+    + [("chimera", shape) for shape in ("1x4", "2x1")]
     + [("medusa", "1x2")],
 )
 def test_every_method_on_a_mesh_gives_one_devices_tokens(method, mesh):
@@ -318,7 +318,7 @@ TRAINERS = {  # method: (its flags for a seconds-long run, --batch, the loss its
 
 
 @pytest.mark.parametrize("method", list(TRAINERS))
-def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path):
+def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path, monkeypatch):
     """jaxspec-train METHOD --mesh data=2 (each step's batch split over two devices, the
     gradients summed by the compiled step): the losses and weights of one device, within
     float tolerance (sums in another order). The second run reuses the first's answers."""
@@ -331,6 +331,8 @@ def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path):
 
     flags, batch, loss = TRAINERS[method]
     trainer = importlib.import_module(f"train.{method}")
+    skeleton = importlib.import_module("train.skeleton")
+    monkeypatch.setattr(skeleton, "measure_acceptance", lambda *args: {})  # decoding: elsewhere
 
     def run(name: str, *extra: str) -> dict:
         args = tiny_training_args(tiny_ckpt[0], tmp_path / name, train_seqs=6, batch=batch)
