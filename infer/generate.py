@@ -106,6 +106,9 @@ def main(argv=None) -> None:
 def _main(argv) -> None:
     args = parse_args(argv)
     hosts.check(args.coordinator, args.num_processes, args.process_id)
+    if args.coordinator and args.method == "ppd":
+        raise JaxspecError("ppd runs in one process (its stages on that process's devices): "
+                           "drop --coordinator")  # fmt: skip
     provide_devices_for([args.method], args.ppd_k, args.mesh["model"] if args.mesh else 1)
     if args.mesh:
         devices = args.mesh["data"] * args.mesh["model"]

@@ -110,7 +110,7 @@ def run_benchmark(
         "dtype": dtype,
         "products": products,
         "mesh": mesh,
-        "weight_bytes_per_device": stored.bytes_per_device(),
+        "weight_bytes_per_device": base.bytes_per_device(),
         "drafters": {m: str(folder) for m, folder in drafters.items()},
         "methods": overall,
         "categories": categories,

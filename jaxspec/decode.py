@@ -31,7 +31,7 @@ from jaxspec.llama import (
     run_layers,
     vocab_projection,
 )
-from jaxspec.mesh import Layout, check_divides, mesh_of, place, table_specs
+from jaxspec.mesh import Layout, as_mesh, check_divides, mesh_of, place, table_specs
 from jaxspec.sampling import Sampling, check_seed, position_keys, select_tokens
 from jaxspec.tree import TreeSpec
 from jaxspec.verify import (
@@ -289,7 +289,7 @@ class SpeculativeGenerator:
         params are placed on (load_model(mesh=...)), if any, else one device."""
         if products not in PRODUCTS:
             raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
-        mesh = mesh_of(params) if mesh is None else mesh
+        mesh = mesh_of(params) if mesh is None else as_mesh(mesh)
         if mesh is not None:
             check_divides(cfg, mesh)
             params = place(params, table_specs(cfg, params), mesh)
@@ -325,22 +325,26 @@ class SpeculativeGenerator:
         return cache_len(prompt_len, max_new_tokens, ahead, self.max_len, why, fix)
 
     def _new_cache(self, batch: int, cache_len: int) -> KVCache:
-        return self._on_mesh("cache", init_cache(self.cfg, batch, cache_len), batch)
+        return self._created("cache", lambda _: init_cache(self.cfg, batch, cache_len), batch)
 
     def _new_state(self, batch: int, cache_len: int):
         """The drafter's state for a generation (its arrays on the mesh, if any)."""
-        state = self.drafter.init_state(
-            self.cfg, batch, cache_len, jnp.float32, self.drafter_params
-        )
-        return self._on_mesh("state", state, batch)
 
-    def _on_mesh(self, kind: str, value, batch: int):
-        """`value` (a SIGNATURES kind) placed on the mesh; as it is without one."""
-        if self.mesh is None or value is None:
-            return value
-        return jax.tree.map(
-            jax.device_put, value, self._sharding(kind, value, Layout(self.mesh, batch))
-        )
+        def state(dp):
+            return self.drafter.init_state(self.cfg, batch, cache_len, jnp.float32, dp)
+
+        return self._created("state", state, batch)
+
+    def _created(self, kind: str, make: Callable, batch: int):
+        """make(drafter params) -> arrays of a SIGNATURES kind, made where they live: on a
+        mesh each device makes only its own shards (nothing whole on one device first)."""
+        if self.mesh is None:
+            return make(self.drafter_params)
+        shape = jax.eval_shape(make, self.drafter_params)
+        if shape is None:
+            return None
+        shardings = self._sharding(kind, shape, Layout(self.mesh, batch))
+        return jax.jit(make, out_shardings=shardings)(self.drafter_params)
 
     def _sharding(self, kind: str, value, layout: Layout):
         """The shardings of an argument or result of a SIGNATURES kind (`value`: it, or
@@ -386,6 +390,7 @@ class SpeculativeGenerator:
     def check_memory(self, batch: int, cache_len: int) -> None:
         """Refuse, before allocating, a step that would not fit in the memory available."""
         need = step_bytes(self.cfg, self.tree.n_nodes, batch, cache_len)
+        need //= self.mesh.size if self.mesh is not None else 1  # split about evenly
         have, where = available_bytes()
         if need > have:
             raise JaxspecError(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import os
 import sys
 from collections.abc import Iterator
@@ -97,11 +96,13 @@ def printing_on_first_process() -> Iterator[None]:
     kept = os.dup(1)
     os.dup2(2, 1)
     first = jax.process_index() == 0
+    target = kept if first else os.devnull
     try:
         with (
-            open(kept, "w", closefd=False) if first else io.StringIO() as out,
+            open(target, "w", closefd=not first, encoding=sys.stdout.encoding,
+                 errors=sys.stdout.errors) as out,
             contextlib.redirect_stdout(out),
-        ):
+        ):  # fmt: skip
             yield
     finally:
         os.dup2(kept, 1)
