@@ -307,6 +307,7 @@ class SpeculativeGenerator:
         self.drafter.check_tree(self.tree)
         self.drafter_state = None
         self._executables: dict[tuple, tuple[Callable, ...]] = {}
+        self._makers: dict[tuple, Callable] = {}  # (kind, batch, cache_len): its maker on the mesh
 
     @property
     def _static(self) -> dict:
@@ -325,26 +326,30 @@ class SpeculativeGenerator:
         return cache_len(prompt_len, max_new_tokens, ahead, self.max_len, why, fix)
 
     def _new_cache(self, batch: int, cache_len: int) -> KVCache:
-        return self._created("cache", lambda _: init_cache(self.cfg, batch, cache_len), batch)
+        return self._created("cache", batch, cache_len)
 
     def _new_state(self, batch: int, cache_len: int):
         """The drafter's state for a generation (its arrays on the mesh, if any)."""
+        return self._created("state", batch, cache_len)
 
-        def state(dp):
+    def _created(self, kind: str, batch: int, cache_len: int):
+        """A new cache or drafter state (kind) for `batch` rows and `cache_len` slots, made
+        where it lives: on a mesh each device makes only its own shards (nothing whole on
+        one device first), by a program compiled once per (kind, batch, cache_len)."""
+
+        def make(dp):
+            if kind == "cache":
+                return init_cache(self.cfg, batch, cache_len)
             return self.drafter.init_state(self.cfg, batch, cache_len, jnp.float32, dp)
 
-        return self._created("state", state, batch)
-
-    def _created(self, kind: str, make: Callable, batch: int):
-        """make(drafter params) -> arrays of a SIGNATURES kind, made where they live: on a
-        mesh each device makes only its own shards (nothing whole on one device first)."""
         if self.mesh is None:
             return make(self.drafter_params)
-        shape = jax.eval_shape(make, self.drafter_params)
-        if shape is None:
-            return None
-        shardings = self._sharding(kind, shape, Layout(self.mesh, batch))
-        return jax.jit(make, out_shardings=shardings)(self.drafter_params)
+        key = (kind, batch, cache_len)
+        if key not in self._makers:
+            shape = jax.eval_shape(make, self.drafter_params)
+            shardings = self._sharding(kind, shape, Layout(self.mesh, batch))
+            self._makers[key] = jax.jit(make, out_shardings=shardings)
+        return self._makers[key](self.drafter_params)
 
     def _sharding(self, kind: str, value, layout: Layout):
         """The shardings of an argument or result of a SIGNATURES kind (`value`: it, or

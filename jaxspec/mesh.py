@@ -101,9 +101,7 @@ def param_specs(cfg: LlamaConfig) -> dict:
 def shard_params(params: dict, cfg: LlamaConfig, mesh: Mesh) -> dict:
     """The model's params (as stored: [in,out] arrays) placed on the mesh."""
     check_divides(cfg, mesh)
-    return jax.tree.map(
-        lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), params, param_specs(cfg)
-    )
+    return place(params, param_specs(cfg), mesh)
 
 
 def table_specs(cfg: LlamaConfig, tree) -> object:
