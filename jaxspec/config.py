@@ -15,6 +15,20 @@ from typing import Any
 from jaxspec.errors import JaxspecError
 from jaxspec.param_table import param_count
 
+# The architectures jaxspec runs (HF model_type -> class name): the Llama block, with Qwen2's
+# q/k/v biases, Qwen3's per-head q/k norms, Mistral's sliding window.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+FAMILIES = tuple(HF_ARCHITECTURES)
+SUPPORTED = (
+    "Llama 2/3.x (model_type 'llama'), Mistral ('mistral'), Qwen2/2.5 ('qwen2') and dense "
+    "Qwen3 ('qwen3')"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -50,9 +64,17 @@ class LlamaConfig:
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "llama"
+    family: str = "llama"  # FAMILIES: what HF export and GGUF name the architecture
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2)
+    qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
+    sliding_window: int = 0  # > 0: a token sees only the last this many positions (Mistral)
 
     def __post_init__(self):
         self._check_types()
+        if self.family not in FAMILIES:
+            raise JaxspecError(
+                f"config family {self.family!r} is unknown; known: {', '.join(FAMILIES)}"
+            )
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
@@ -74,12 +96,15 @@ class LlamaConfig:
             "ffn_dim",
             "max_position",
         )
-        for name in (*sizes, "head_dim"):
+        for name in (*sizes, "head_dim", "sliding_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise JaxspecError(f"config {name} must be an integer, got {value!r}")
-            if value < (name != "head_dim"):
+            if value < (name in sizes):
                 raise JaxspecError(f"config {name} must be positive, got {value}")
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise JaxspecError(f"config {name} must be true or false")
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -120,20 +145,12 @@ class LlamaConfig:
     # ---- Hugging Face -------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf: Any) -> LlamaConfig:
-        """From a transformers LlamaConfig or its dict (transformers 4.x and 5.x)."""
+        """From a transformers config or its dict (transformers 4.x and 5.x) of a family in
+        FAMILIES; anything else is one error naming the supported list."""
         d = hf if isinstance(hf, dict) else hf.to_dict()
-        archs = d.get("architectures") or []
-        model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", "mistral") and "LlamaForCausalLM" not in archs:
-            raise JaxspecError(
-                f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no name'}); "
-                "jaxspec supports Llama-family models (model_type 'llama')"
-            )
-        if d.get("attention_bias") or d.get("mlp_bias"):
-            raise JaxspecError("Llama with attention/mlp biases is not supported")
+        family = _family_of(d)
         if d.get("hidden_act", "silu") != "silu":
             raise JaxspecError(f"unsupported activation {d['hidden_act']!r}; expected 'silu'")
-        _refuse_sliding_window(d)
         # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         theta = rope.get("rope_theta", d.get("rope_theta")) or 10000.0
@@ -154,7 +171,11 @@ class LlamaConfig:
             max_position=d.get("max_position_embeddings", 4096),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
-            name=d.get("_name_or_path") or model_type,
+            name=d.get("_name_or_path") or family,
+            family=family,
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            sliding_window=_sliding_window(d, family),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -172,9 +193,9 @@ class LlamaConfig:
                 "original_max_position_embeddings": rs.original_max_position,
             }
         eos = list(self.eos_token_ids)
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+        out = {
+            "architectures": [HF_ARCHITECTURES[self.family]],
+            "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
             "num_hidden_layers": self.n_layers,
@@ -190,24 +211,56 @@ class LlamaConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos[0] if len(eos) == 1 else eos,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
         }
+        if self.family in ("llama", "qwen3"):
+            out["attention_bias"] = False
+        if self.family == "llama":
+            out["mlp_bias"] = False
+        if self.family == "mistral":
+            out["sliding_window"] = self.sliding_window or None
+        if self.family in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+        return out
+
+def _family_of(d: dict[str, Any]) -> str:
+    """The family of an HF config dict, or one error naming the supported ones."""
+    model_type = d.get("model_type")
+    archs = d.get("architectures") or []
+    if model_type is None:  # an old config without model_type: its class name says
+        model_type = next((f for f, a in HF_ARCHITECTURES.items() if a in archs), "llama")
+    if model_type not in FAMILIES:
+        raise JaxspecError(
+            f"unsupported architecture {model_type!r} ({', '.join(archs) or 'no name'}); "
+            f"jaxspec supports {SUPPORTED}"
+        )
+    if model_type == "llama" and (d.get("attention_bias") or d.get("mlp_bias")):
+        raise JaxspecError(
+            "Llama with attention/mlp biases is not supported; jaxspec supports " + SUPPORTED
+        )
+    if model_type == "qwen3" and d.get("attention_bias"):
+        raise JaxspecError(
+            "Qwen3 with attention biases is not supported; jaxspec supports " + SUPPORTED
+        )
+    return model_type
 
 
-def _refuse_sliding_window(d: dict[str, Any]) -> None:
-    """A model that attends only to the last `sliding_window` tokens (Mistral v0.1) differs
-    from full attention once a sequence passes the window; until the window is implemented
-    such a model is refused rather than converted into a different one."""
-    window = d.get("sliding_window")
-    context = d.get("max_position_embeddings", 4096)
-    if window is None or d.get("use_sliding_window") is False or window >= context:
-        return
-    raise JaxspecError(
-        f"this model attends within a sliding window of {window} tokens, shorter than its "
-        f"context of {context}; jaxspec does not implement sliding-window attention yet, so it "
-        "would generate other tokens past the window: use a model without one"
-    )
+def _sliding_window(d: dict[str, Any], family: str) -> int:
+    """The window every layer attends within (Mistral), 0 for full attention; a window on
+    some layers only (Qwen2/3's use_sliding_window, per-layer layer_types) is refused."""
+    layer_types = set(d.get("layer_types") or [])
+    if family in ("qwen2", "qwen3"):
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            layer_types.add("sliding_attention")
+    elif family == "mistral" and d.get("sliding_window"):
+        window = int(d["sliding_window"])
+        return window if window < d.get("max_position_embeddings", 4096) else 0
+    if "sliding_attention" in layer_types:
+        raise JaxspecError(
+            f"this {family} model attends within a sliding window on some layers only; "
+            "jaxspec implements a window on every layer (Mistral) or none: use a model "
+            "with use_sliding_window false"
+        )
+    return 0
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling:

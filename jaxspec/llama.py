@@ -84,25 +84,47 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     return jnp.take(params["embed_tokens"], tokens, axis=0).astype(jnp.float32)
 
 
+def project_heads(cfg, p, x, name: str, n_heads: int, linear: Linear) -> jax.Array:
+    """x [B,T,D] -> query, key or value heads [B,T,n_heads,H] (name "q", "k" or "v"), with
+    the family's bias (Qwen2) and per-head RMSNorm on q and k (Qwen3), before RoPE."""
+    B, T, _ = x.shape
+    y = linear(x, f"{name}_proj")
+    if cfg.qkv_bias:
+        y = y + p[f"{name}_bias"].astype(y.dtype)
+    y = y.reshape(B, T, n_heads, cfg.head_dim)
+    if cfg.qk_norm and name != "v":
+        y = rms_norm(y, p[f"{name}_norm"], cfg.norm_eps)
+    return y
+
+
 def layer_kv(cfg, p, x, cos, sin, linear: Linear | None = None):
     """A block's keys (rotated) and values for its normed input x [B,T,D] -> [B,K,T,H] each."""
-    B, T, _ = x.shape
     linear = linear or plain_linear(p)
-    k = linear(x, "k_proj").reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    v = linear(x, "v_proj").reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    k = project_heads(cfg, p, x, "k", cfg.n_kv_heads, linear)
+    v = project_heads(cfg, p, x, "v", cfg.n_kv_heads, linear)
     return apply_rope(k, cos, sin).transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 
 def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, mask, linear: Linear | None = None):
     """One block. h [B,T,D]; caches [B,K,S,H] (read only) -> h, new keys and values [B,K,T,H]."""
-    B, T, _ = h.shape
     linear = linear or plain_linear(p)
     x = rms_norm(h, p["input_layernorm"], cfg.norm_eps)
-    q = apply_rope(linear(x, "q_proj").reshape(B, T, cfg.n_heads, cfg.head_dim), cos, sin)
+    q = apply_rope(project_heads(cfg, p, x, "q", cfg.n_heads, linear), cos, sin)
     k, v = layer_kv(cfg, p, x, cos, sin, linear)
     h = h + linear(attention(q, k_cache, v_cache, k, v, mask), "o_proj")
     h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), linear)
     return h, k, v
+
+
+def within_window(positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
+    """positions [B,T], key_positions [B,S] -> [B,T,S]: the key is one of the last `window`
+    positions up to the query's (HF's sliding window: q - window < k). Example, window 2:
+
+        key:  0 1 2 3
+        q 2   0 1 1 1    (keys after the query are masked by causality, not here)
+        q 3   0 0 1 1
+    """
+    return key_positions[:, None, :] > positions[:, :, None] - window
 
 
 def run_layers(
@@ -128,18 +150,24 @@ def run_layers(
     hidden_states[i]) is returned in the dict. `context_mask` [B,T,S], when given, replaces
     "sees the committed slots" with any per-token choice of cache slots (FIRP's training
     attends pseudo tokens to a prefix of the real ones). `linears(i, layer_params)`, when
-    given, supplies layer i's linear maps (an adapter's).
+    given, supplies layer i's linear maps (an adapter's). With a sliding window (Mistral),
+    a token also sees only keys within the window behind it (cache slot s holds position s).
     """
     stop = cfg.n_layers if stop is None else stop
     cos, sin = rope_tables(cfg, positions)
     if cache is None:
         mask, keys_in, values_in = new_mask, [None] * cfg.n_layers, [None] * cfg.n_layers
-    elif context_mask is None:
-        mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
-        keys_in, values_in = cache.keys, cache.values
+        key_positions = positions
     else:
-        mask = jnp.concatenate([context_mask, new_mask], axis=-1)
+        if context_mask is None:
+            mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
+        else:
+            mask = jnp.concatenate([context_mask, new_mask], axis=-1)
         keys_in, values_in = cache.keys, cache.values
+        slots = jnp.broadcast_to(jnp.arange(cache.max_len), (h.shape[0], cache.max_len))
+        key_positions = jnp.concatenate([slots, positions], axis=1)  # [B,S+T]
+    if cfg.sliding_window:
+        mask = mask & within_window(positions, key_positions, cfg.sliding_window)
     keys, values = [], []
     collected = {start: h} if start in collect else {}
     for i in range(start, stop):
@@ -187,9 +215,9 @@ def forward(
 
 def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02):
     """Random parameters (tests, and timing at 7B/13B shapes) from `param_table`: weights
-    scale * N(0, 1), norms ones. Keys are drawn layer by layer, then for the top level, one
-    per weight the table can hold: an absent one (lm_head when tied) keeps its key, so an
-    option never changes the other weights' draws."""
+    scale * N(0, 1), norms ones, biases zeros. Keys are drawn layer by layer, then for the
+    top level, one per weight the table can hold: an absent one (lm_head when tied) keeps
+    its key, so an option never changes the other weights' draws."""
     weights = [p for p in param_table.TABLE if p.init == "normal"]
     n_keys = sum(cfg.n_layers if p.per_layer else 1 for p in weights)
     keys = iter(jax.random.split(key, n_keys))
@@ -200,7 +228,10 @@ def init_params(cfg: LlamaConfig, key: jax.Array, dtype=jnp.float32, scale: floa
             k = next(keys) if p.init == "normal" else None  # drawn even when p is absent
             if p.present(cfg):
                 shape = p.shape(cfg)
-                w = jnp.ones(shape) if k is None else scale * jax.random.normal(k, shape)
+                if k is None:
+                    w = jnp.ones(shape) if p.init == "ones" else jnp.zeros(shape)
+                else:
+                    w = scale * jax.random.normal(k, shape)
                 out[p.name] = w.astype(dtype)
         return out
 

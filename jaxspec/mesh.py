@@ -3,7 +3,8 @@ on it.
 
 Tensor parallel in Megatron's layout, decided by the parameter table's logical axes alone
 (`RULES`): q/k/v and gate/up split over `model` by output columns (heads, MLP), o/down by
-rows, the embedding and lm_head by vocabulary; norms replicated. The KV cache [B,K,S,H] is
+rows, the embedding and lm_head by vocabulary; q/k/v biases like their columns; norms
+replicated. The KV cache [B,K,S,H] is
 split by kv heads over `model` and by rows over `data`.
 """
 
@@ -21,7 +22,8 @@ from jaxspec.param_table import entries, logical_axes
 
 MESH_AXES = ("data", "model")
 # logical axis -> mesh axis (None: replicated)
-RULES = {"vocab": "model", "heads": "model", "kv_heads": "model", "mlp": "model", "embed": None}
+RULES = {"vocab": "model", "heads": "model", "kv_heads": "model", "mlp": "model", "embed": None,
+         "head_dim": None}  # fmt: skip
 # LlamaConfig sizes that `model` splits, by the logical axis they span
 SPLIT_SIZES = {
     "n_heads": "heads",

@@ -26,6 +26,7 @@ AXES: dict[str, str] = {
     "heads": "N*H, the query heads' outputs (heads x head dim, fused as stored)",
     "kv_heads": "K*H, the key/value heads' outputs (heads x head dim, fused as stored)",
     "mlp": "F, the MLP hidden dimension",
+    "head_dim": "H, one head's dimension (the per-head q/k norms, shared by every head)",
 }
 
 # The axis legend's letter for each LlamaConfig size field a shape may name.
@@ -44,8 +45,8 @@ LETTERS: dict[str, str] = {
 class Param:
     """One parameter. `dims`: per dimension, a "*"-joined product of LlamaConfig size fields;
     `axes`: per dimension, its logical axis name; `init`: "normal" (scale * N(0, 1), a
-    weight) or "ones" (a norm); `absent_if`: a boolean LlamaConfig field that, when true,
-    drops the parameter."""
+    weight), "ones" (a norm) or "zeros" (a bias); `absent_if` / `present_if`: a boolean
+    LlamaConfig field that, when true / false, drops the parameter."""
 
     name: str
     dims: tuple[str, ...]
@@ -53,16 +54,18 @@ class Param:
     per_layer: bool = False
     init: str = "normal"
     absent_if: str | None = None
+    present_if: str | None = None
 
     def shape(self, cfg: LlamaConfig) -> tuple[int, ...]:
         return tuple(math.prod(getattr(cfg, f) for f in d.split("*")) for d in self.dims)
 
     def present(self, cfg: LlamaConfig) -> bool:
-        return self.absent_if is None or not getattr(cfg, self.absent_if)
+        absent = self.absent_if is not None and getattr(cfg, self.absent_if)
+        return not absent and (self.present_if is None or getattr(cfg, self.present_if))
 
 
-def _layer(name: str, dims: tuple[str, ...], axes: tuple[str, ...], init: str = "normal"):
-    return Param(name, dims, axes, per_layer=True, init=init)
+def _layer(name, dims, axes, init: str = "normal", present_if: str | None = None) -> Param:
+    return Param(name, dims, axes, per_layer=True, init=init, present_if=present_if)
 
 
 # Top level first, then one layer's entries, each in HF's order.
@@ -72,9 +75,14 @@ TABLE: tuple[Param, ...] = (
     Param("lm_head", ("dim", "vocab_size"), ("embed", "vocab"), absent_if="tie_embeddings"),
     _layer("input_layernorm", ("dim",), ("embed",), init="ones"),
     _layer("q_proj", ("dim", "n_heads*head_dim"), ("embed", "heads")),
+    _layer("q_bias", ("n_heads*head_dim",), ("heads",), "zeros", present_if="qkv_bias"),
     _layer("k_proj", ("dim", "n_kv_heads*head_dim"), ("embed", "kv_heads")),
+    _layer("k_bias", ("n_kv_heads*head_dim",), ("kv_heads",), "zeros", present_if="qkv_bias"),
     _layer("v_proj", ("dim", "n_kv_heads*head_dim"), ("embed", "kv_heads")),
+    _layer("v_bias", ("n_kv_heads*head_dim",), ("kv_heads",), "zeros", present_if="qkv_bias"),
     _layer("o_proj", ("n_heads*head_dim", "dim"), ("heads", "embed")),
+    _layer("q_norm", ("head_dim",), ("head_dim",), "ones", present_if="qk_norm"),
+    _layer("k_norm", ("head_dim",), ("head_dim",), "ones", present_if="qk_norm"),
     _layer("post_attention_layernorm", ("dim",), ("embed",), init="ones"),
     _layer("gate_proj", ("dim", "ffn_dim"), ("embed", "mlp")),
     _layer("up_proj", ("dim", "ffn_dim"), ("embed", "mlp")),
@@ -123,10 +131,12 @@ def layout() -> str:
     def line(p: Param, indent: str) -> str:
         shape = ", ".join("*".join(LETTERS[f] for f in d.split("*")) for d in p.dims)
         notes = [", ".join(p.axes)]
-        if p.init == "ones":
-            notes.append("ones")
+        if p.init != "normal":
+            notes.append(p.init)
         if p.absent_if:
             notes.append(f"absent when {p.absent_if}")
+        if p.present_if:
+            notes.append(f"only when {p.present_if}")
         return f'{indent}"{p.name}": [{shape}],'.ljust(48) + "  # " + "; ".join(notes)
 
     top = [line(p, "    ") for p in TABLE if not p.per_layer]

@@ -54,6 +54,59 @@ def tiny_hf_model(seed=0, **kw):
     return model
 
 
+# One tiny random model per supported family, built with transformers' own config class:
+# dims that exercise each difference from the Llama block (GQA throughout).
+FAMILY_WINDOW = 16  # Mistral's sliding window: shorter than the tests' prompt + new tokens
+FAMILIES = ("llama3.2", "mistral", "qwen2", "qwen3")
+
+
+def tiny_family_config(family: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=83, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    if family == "llama3.2":  # tied embeddings, llama3 RoPE scaling, two eos ids
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                "rope_theta": 500000.0}  # fmt: skip
+        return transformers.LlamaConfig(
+            **{**common, "eos_token_id": [2, 3]}, tie_word_embeddings=True, rope_parameters=rope
+        )
+    if family == "mistral":  # a sliding window
+        return transformers.MistralConfig(**common, sliding_window=FAMILY_WINDOW)
+    if family == "qwen2":  # q/k/v biases, tied embeddings, rope theta 1e6
+        return transformers.Qwen2Config(
+            **common, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )  # fmt: skip
+    if family == "qwen3":  # per-head q/k norms, head_dim 16 != hidden / heads (12)
+        return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def tiny_family_model(family: str, seed=0):
+    """A random float32 model of `family` whose weights (norms and biases too) are far from
+    their initial values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_family_config(family)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.15 * torch.randn_like(p))
+    return model
+
+
+def save_tiny_family(tmp: Path, family: str) -> tuple[Path, object]:
+    model = tiny_family_model(family)
+    folder = tmp / family
+    model.save_pretrained(folder, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
 def tiny_tokenizer():
     """A word-level tokenizer over VOCAB tokens: <unk> <s> </s> user assistant w5 ... w100
     (the device campaign's dry-run tokenizer)."""

@@ -166,11 +166,18 @@ CASES = [
     ),
     Case("per-category-zero", "bench", bench("--per-category", "0"), "--per-category"),
     Case(
-        "mistral-sliding-window",
+        "qwen2-window-on-some-layers",
         "convert",
         lambda f, c: [f / "hf", "--out", f / "o"],
-        "sliding window",
-        hf_config(sliding_window=16),
+        "sliding window on some layers only",
+        hf_config(model_type="qwen2", use_sliding_window=True, sliding_window=16),
+    ),
+    Case(
+        "moe-architecture",
+        "convert",
+        lambda f, c: [f / "hf", "--out", f / "o"],
+        "Qwen2/2.5 ('qwen2') and dense Qwen3",
+        hf_config(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]),
     ),
     # one line, never a traceback
     Case(

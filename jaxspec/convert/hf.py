@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,11 +17,20 @@ from jaxspec.errors import JaxspecError
 
 
 def read_hf_config(folder: Path) -> LlamaConfig:
+    """config.json, with the end-of-sequence ids of generation_config.json added (Llama 3.x
+    instruct models stop at several: <|eot_id|> and <|eom_id|> as well as the config's)."""
     file = folder / "config.json"
     if not file.is_file():
         raise JaxspecError(f"{folder} has no config.json; pass an HF model folder or a .gguf file")
     try:
-        return LlamaConfig.from_hf_config(json.loads(file.read_text()))
+        cfg = LlamaConfig.from_hf_config(json.loads(file.read_text()))
+        generation = folder / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            extra = tuple(i for i in eos if i not in cfg.eos_token_ids)
+            cfg = dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + extra)
+        return cfg
     except (ValueError, KeyError) as e:
         raise JaxspecError(f"cannot read {file}: {e!r}") from None
 
@@ -73,7 +83,7 @@ def load_tokenizer(folder: Path):
 
 
 def save_hf_folder(out: Path, cfg: LlamaConfig, params: dict, tokenizer=None) -> None:
-    """Write config.json + model.safetensors that transformers' LlamaForCausalLM loads."""
+    """Write config.json + model.safetensors that transformers loads (the family's class)."""
     out.mkdir(parents=True, exist_ok=True)
     flat = {k: np.asarray(v) for k, v in flatten_params(params).items()}
     save_file(params_to_hf(flat, cfg), str(out / "model.safetensors"), metadata={"format": "pt"})

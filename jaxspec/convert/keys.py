@@ -9,32 +9,46 @@ import numpy as np
 from jaxspec.checkpoint import check_params, unflatten_params
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
+from jaxspec.param_table import entries
 
+# jaxspec name -> (HF name, stored [out, in] in HF?) for each parameter of a block.
 _LAYER_KEYS = {
-    "input_layernorm.weight": ("input_layernorm", False),
-    "self_attn.q_proj.weight": ("q_proj", True),
-    "self_attn.k_proj.weight": ("k_proj", True),
-    "self_attn.v_proj.weight": ("v_proj", True),
-    "self_attn.o_proj.weight": ("o_proj", True),
-    "post_attention_layernorm.weight": ("post_attention_layernorm", False),
-    "mlp.gate_proj.weight": ("gate_proj", True),
-    "mlp.up_proj.weight": ("up_proj", True),
-    "mlp.down_proj.weight": ("down_proj", True),
+    "input_layernorm": ("input_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "post_attention_layernorm": ("post_attention_layernorm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+}
+_TOP_KEYS = {
+    "embed_tokens": ("model.embed_tokens.weight", False),
+    "norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
 }
 # Present in some HF checkpoints and derivable, so never an error.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def hf_key_table(cfg: LlamaConfig) -> dict[str, tuple[str, bool]]:
-    table = {
-        "model.embed_tokens.weight": ("embed_tokens", False),
-        "model.norm.weight": ("norm", False),
-    }
-    if not cfg.tie_embeddings:
-        table["lm_head.weight"] = ("lm_head", True)
-    for i in range(cfg.n_layers):
-        for hf, (ours, transposed) in _LAYER_KEYS.items():
-            table[f"model.layers.{i}.{hf}"] = (f"layers.{i}.{ours}", transposed)
+    """HF name -> (jaxspec flat name, transposed?) for every parameter `cfg` holds (the
+    parameter table says which: biases for Qwen2, q/k norms for Qwen3, no lm_head if tied)."""
+    table = {}
+    for p, _ in entries(cfg):
+        if p.per_layer:
+            hf, transposed = _LAYER_KEYS[p.name]
+            for i in range(cfg.n_layers):
+                table[f"model.layers.{i}.{hf}"] = (f"layers.{i}.{p.name}", transposed)
+        else:
+            hf, transposed = _TOP_KEYS[p.name]
+            table[hf] = (p.name, transposed)
     return table
 
 
@@ -53,7 +67,9 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: LlamaConfig, source: 
         shown = "; ".join(problems[:12]) + (
             f"; ... {len(problems) - 12} more" if len(problems) > 12 else ""
         )
-        raise JaxspecError(f"{source} does not hold a Llama checkpoint of its config: {shown}")
+        raise JaxspecError(
+            f"{source} does not hold a {cfg.family} checkpoint of its config: {shown}"
+        )
     flat = {}
     for hf, (ours, transposed) in table.items():
         w = tensors[hf]
