@@ -222,6 +222,7 @@ class LlamaConfig:
             out["use_sliding_window"] = False
         return out
 
+
 def _family_of(d: dict[str, Any]) -> str:
     """The family of an HF config dict, or one error naming the supported ones."""
     model_type = d.get("model_type")
