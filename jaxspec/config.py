@@ -32,18 +32,28 @@ SUPPORTED = (
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. kind: "default" | "linear" | "llama3"."""
+    """RoPE frequency scaling. kind: "default" | "linear" | "llama3" | "freq_factors"."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position: int = 8192  # llama3 only
+    # freq_factors only: the inverse frequencies [H/2] are divided by these (a GGUF's
+    # rope_freqs, Llama 3.1's scaling precomputed by llama.cpp).
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if self.kind not in ("default", "linear", "llama3"):
+        if self.kind not in ("default", "linear", "llama3", "freq_factors"):
             raise JaxspecError(
-                f"unsupported rope scaling {self.kind!r}; supported: default, linear, llama3"
+                f"unsupported rope scaling {self.kind!r}; supported: default, linear, llama3, "
+                "freq_factors"
+            )
+        # A tuple (hashable: configs are static jit arguments) also when read from JSON.
+        object.__setattr__(self, "freq_factors", tuple(map(float, self.freq_factors)))
+        if (self.kind == "freq_factors") != bool(self.freq_factors):
+            raise JaxspecError(
+                "rope scaling has freq_factors exactly when its kind is freq_factors"
             )
 
 
@@ -179,8 +189,13 @@ class LlamaConfig:
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A config.json for transformers' LlamaForCausalLM."""
+        """A config.json for the family's transformers class (HF_ARCHITECTURES)."""
         rs = self.rope_scaling
+        if rs.kind == "freq_factors":
+            raise JaxspecError(
+                "HF configs cannot hold per-frequency RoPE factors (a GGUF's rope_freqs): "
+                "export from the original HF folder instead"
+            )
         scaling = None
         if rs.kind == "linear":
             scaling = {"rope_type": "linear", "factor": rs.factor}

@@ -14,13 +14,13 @@ from jaxspec.convert.keys import params_to_hf
 class HFPeer:
     def __init__(self, cfg: LlamaConfig, params: dict):
         import torch
-        from transformers import LlamaConfig as HFConfig
-        from transformers import LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.torch = torch
         flat = {k: np.asarray(v, np.float32) for k, v in flatten_params(params).items()}
         state = {k: torch.from_numpy(v.copy()) for k, v in params_to_hf(flat, cfg).items()}
-        self.model = LlamaForCausalLM(HFConfig(**cfg.to_hf_dict())).float().eval()
+        hf_config = AutoConfig.for_model(**cfg.to_hf_dict())  # the family's class
+        self.model = AutoModelForCausalLM.from_config(hf_config).float().eval()
         missing, _ = self.model.load_state_dict(state, strict=False)
         if cfg.tie_embeddings:
             self.model.tie_weights()

@@ -43,6 +43,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
             inv_freq / scaling.factor,
             np.where(wavelen < high_wavelen, inv_freq, interpolated),
         )
+    elif scaling.kind == "freq_factors":
+        inv_freq = inv_freq / np.asarray(scaling.freq_factors)  # [H/2] divisors
     return inv_freq.astype(np.float32)
 
 

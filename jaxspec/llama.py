@@ -164,8 +164,9 @@ def run_layers(
         else:
             mask = jnp.concatenate([context_mask, new_mask], axis=-1)
         keys_in, values_in = cache.keys, cache.values
-        slots = jnp.broadcast_to(jnp.arange(cache.max_len), (h.shape[0], cache.max_len))
-        key_positions = jnp.concatenate([slots, positions], axis=1)  # [B,S+T]
+        B, T = positions.shape
+        S = mask.shape[-1] - T
+        key_positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(S), (B, S)), positions], 1)
     if cfg.sliding_window:
         mask = mask & within_window(positions, key_positions, cfg.sliding_window)
     keys, values = [], []

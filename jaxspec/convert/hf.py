@@ -73,12 +73,21 @@ def load_hf_folder(folder: Path) -> tuple[LlamaConfig, dict, object]:
     return cfg, params, load_tokenizer(folder)
 
 
+# Tokenizer classes that are tokenizer.json as it is: AutoTokenizer would substitute the
+# model type's own class (Qwen2Tokenizer for a qwen2 folder), which rebuilds it otherwise.
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(folder: Path):
-    """The folder's tokenizer, or None when it has none (weights-only models)."""
+    """The folder's tokenizer (with its chat template), or None when it has none."""
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    settings = folder / "tokenizer_config.json"
+    named = json.loads(settings.read_text()).get("tokenizer_class") if settings.is_file() else None
+    if named in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(folder))
 
 
