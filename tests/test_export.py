@@ -83,6 +83,23 @@ def test_export_chunked_prefill_with_plain_products(method):
     assert "bf16" in exported["extend"]["cuda"].mlir_module()
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [{"qkv_bias": True}, {"qk_norm": True, "head_dim": 12}, {"sliding_window": 8}],
+    ids=["qwen2", "qwen3", "mistral"],
+)
+def test_export_family_programs(changes):
+    """The families' block differences (biases, q/k norms, the window's mask) on the
+    prefill and verify step of Chimera, whose encoder is a copy of a decoder layer."""
+    cfg = dataclasses.replace(CFG, **changes)
+    weights = init_params(cfg, jax.random.key(0))
+    drafter = make_drafter("chimera", cfg, SETTINGS["chimera"])
+    drafter_weights = drafter.init(weights, jax.random.key(1))
+    gen = SpeculativeGenerator(cfg, weights, drafter, drafter_weights, tree_preset("comb-2-2"))
+    plan = gen.lowerings(*gen.example_inputs(2, 16, 64))
+    export.export_all({k: plan[k] for k in ("prefill", "step")})
+
+
 def test_export_sdsat_one_forward_and_its_draft_step():
     two = generator("sdsat", "comb-2-2", Sampling())
     assert "redraft" in two.lowerings(*two.example_inputs(1, 16, 64))

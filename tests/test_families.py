@@ -86,6 +86,8 @@ def test_logits_match_hf_over_prefill_and_cached_decode(models, family):
     assert got == expected
     if family == "qwen3":
         assert cfg.head_dim == 16 and cfg.dim // cfg.n_heads == 12
+    if family == "qwen2":  # transformers 5's rope_parameters
+        assert cfg.rope_theta == 1e6
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 40))  # past the window (16)
     ref = hf_logits(model, tokens)
     ours = cached_logits(cfg, params, tokens, prefill=24)

@@ -121,27 +121,36 @@ def write_medusa(folder, cfg, model_dir):
 
 @functools.cache
 def base_params(cfg=CFG4):
-    return init_params(cfg, jax.random.key(0), scale=0.3)
+    """Random weights; biases and q/k norms (Qwen2/Qwen3) far from their zeros and ones."""
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    wiggle = {"q_bias": 0.3, "k_bias": 0.3, "v_bias": 0.3, "q_norm": 0.5, "k_norm": 0.5}
+    for layer in params["layers"]:
+        for name, size in wiggle.items():
+            if name in layer:
+                layer[name] = layer[name] + size * jnp.sin(jnp.arange(layer[name].size) + 1.0)
+    return params
 
 
-def method_generator(method: str, mesh=None, sampling=None, params=None) -> SpeculativeGenerator:
+def method_generator(
+    method: str, mesh=None, sampling=None, params=None, cfg=CFG4
+) -> SpeculativeGenerator:
     """A generator of `method` with random drafter weights (losslessness does not depend
-    on their quality) on CFG4, on `mesh` or one device."""
+    on their quality) on `cfg`, on `mesh` or one device."""
     from jaxspec.methods import make_drafter
     from tests.test_export import DATA, SETTINGS
 
-    params = base_params() if params is None else params
+    params = base_params(cfg) if params is None else params
     if method == "ar":
-        return SpeculativeGenerator(CFG4, params, sampling=sampling, mesh=mesh)
+        return SpeculativeGenerator(cfg, params, sampling=sampling, mesh=mesh)
     tree = tree_preset("comb-2-2")
-    drafter = make_drafter(method, CFG4, SETTINGS[method])
-    weights = drafter.init(base_params(), jax.random.key(1))
+    drafter = make_drafter(method, cfg, SETTINGS[method])
+    weights = drafter.init(base_params(cfg), jax.random.key(1))
     weights = jax.tree.map(lambda w: w + 0.05 * jnp.sin(jnp.arange(w.size).reshape(w.shape)),
                            weights)  # fmt: skip
     data = DATA.get(method, {})
     weights = drafter.prepare(params, weights, data)
     drafter = drafter.for_tree(tree, SETTINGS[method], data)
-    return SpeculativeGenerator(CFG4, params, drafter, weights, tree, sampling, mesh=mesh)
+    return SpeculativeGenerator(cfg, params, drafter, weights, tree, sampling, mesh=mesh)
 
 
 @functools.cache
@@ -162,6 +171,32 @@ def test_every_method_on_a_mesh_gives_one_devices_tokens(method, mesh):
     gen = method_generator(method, make_mesh({"data": data, "model": model}))
     got = [r.token_ids for r in gen.generate_batch(PROMPTS, 16, seed=3)]
     assert got == one_device_tokens(method)
+
+
+# The families' differences on CFG4: q/k/v biases split with their heads, per-head q/k norms
+# (head_dim 12, not dim / heads) replicated, a window shorter than prompt + new tokens.
+FAMILY_CFGS = {
+    "qwen2": dataclasses.replace(CFG4, family="qwen2", qkv_bias=True),
+    "qwen3": dataclasses.replace(CFG4, family="qwen3", qk_norm=True, head_dim=12),
+    "mistral": dataclasses.replace(CFG4, family="mistral", sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CFGS))
+def test_each_family_on_a_mesh_gives_one_devices_tokens(family):
+    """Chimera (its encoder a copy of a decoder layer, with the family's biases or norms) on
+    a 2x2 mesh gives one device's tokens, rows split over data, heads over model."""
+    cfg = FAMILY_CFGS[family]
+    layer = param_specs(cfg)["layers"][0]
+    assert all(layer[n] == P("model") for n in ("q_bias", "k_bias", "v_bias") if n in layer)
+    assert all(layer[n] == P(None) for n in ("q_norm", "k_norm") if n in layer)
+    one = method_generator("chimera", cfg=cfg).generate_batch(PROMPTS, 16, seed=3)
+    mesh = make_mesh({"data": 2, "model": 2})
+    got = method_generator("chimera", mesh, cfg=cfg).generate_batch(PROMPTS, 16, seed=3)
+    assert [r.token_ids for r in got] == [r.token_ids for r in one]
+    assert [r.steps for r in got] == [r.steps for r in one]
+    ar = method_generator("ar", cfg=cfg).generate_batch(PROMPTS, 16, seed=3)
+    assert [r.token_ids for r in ar] == [r.token_ids for r in one]
 
 
 def test_sampling_on_a_mesh_draws_one_devices_tokens():
