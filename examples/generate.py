@@ -28,7 +28,9 @@ args = parser.parse_args()
 model = jaxspec.load_model(args.model)
 ar_tokens = None
 for method in jaxspec.METHODS:  # "ar" comes first
-    drafter = None if method == "ar" or args.drafters is None else f"{args.drafters}/{method}"
+    # AR drafts nothing and lookup drafts from the text itself: neither loads a drafter.
+    own = method not in ("ar", "lookup") and args.drafters is not None
+    drafter = f"{args.drafters}/{method}" if own else None
     try:
         generator = jaxspec.Generator(model, method, drafter=drafter)
     except jaxspec.JaxspecError as e:  # e.g. PPD on a machine with fewer than 4 devices

@@ -62,9 +62,9 @@ def run_benchmark(
 ) -> dict:
     """Every row on the questions ('humaneval', 'sharegpt-test' or a Spec-Bench .jsonl) ->
     the result record (per-row and per-category tokens/s, speedup over "ar", mean accepted
-    tokens, match_ar). drafters: method -> drafter folder replacing the shipped one;
-    products: how every row's bfloat16 weights multiply (jaxspec.decode.PRODUCTS); mesh:
-    "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M)."""
+    tokens, acceptance by depth, match_ar). drafters: method -> drafter folder replacing the
+    shipped one; products: how every row's bfloat16 weights multiply (jaxspec.decode.PRODUCTS);
+    mesh: "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M)."""
     methods = check_rows(rows)
     shape = parse_mesh(mesh) if mesh else None
     split = shape["model"] if shape else 1
@@ -93,7 +93,8 @@ def run_benchmark(
     }
     records, turns = _play(runners, base.tokenizer, chosen, max_new_tokens, single_turn)
     references = {m: match_reference(m, dtype, methods) for m in methods}
-    overall, categories = summarize(records, methods, references)
+    depths = {m: runner.max_depth for m, runner in runners.items()}
+    overall, categories = summarize(records, methods, references, depths)
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
@@ -131,10 +132,10 @@ def _play(runners: dict, tokenizer, questions, max_new_tokens: int, single_turn:
             for m, runner in runners.items():
                 history[m].append({"role": "user", "content": turn})
                 prompt_ids = encode_conversation(tokenizer, history[m])
-                ids, steps, seconds = runner.generate(prompt_ids, max_new_tokens)
+                ids, steps, seconds, accepted = runner.generate(prompt_ids, max_new_tokens)
                 reply = tokenizer.decode(ids, skip_special_tokens=True)
                 history[m].append({"role": "assistant", "content": reply})
-                records[m].append((q.category, ids, steps, seconds))
+                records[m].append((q.category, ids, steps, seconds, accepted))
                 bar.update()
     bar.close()
     return records, turns
@@ -150,13 +151,14 @@ def write_results(result: dict, paths: tuple[Path, Path, Path]) -> None:
 
 class Runner:
     """One row (METHOD[@X][/Y][:DTYPE], `registry.parse_row`, or a peer):
-    generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile)."""
+    generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile, drafted tokens
+    accepted per verify step); max_depth: its tree's depth (0: one token a step)."""
 
     def __init__(
         self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=None,
         drafters: dict[str, Path] | None = None, products: str = "exact",
     ):  # fmt: skip
-        self.name, self.seed = name, seed
+        self.name, self.seed, self.max_depth = name, seed, 0
         if name == "hf":
             from jaxspec.hf_peer import HFPeer
 
@@ -169,12 +171,15 @@ class Runner:
             self.generator = build_generator(
                 model, method, drafter_dir, sampling=sampling, products=products, **options
             )
+            tree = getattr(self.generator, "tree", None)  # PPD has none
+            self.max_depth = tree.max_depth if tree is not None else 0
 
     def generate(self, prompt_ids, max_new_tokens):
-        if self.name == "hf":
-            return self.peer.generate(prompt_ids, max_new_tokens)
+        if self.name == "hf":  # greedy AR: one token a forward pass
+            ids, steps, seconds = self.peer.generate(prompt_ids, max_new_tokens)
+            return ids, steps, seconds, [0] * max(steps - 1, 0)
         r = self.generator.generate(prompt_ids, max_new_tokens, self.seed)
-        return r.token_ids, r.steps, r.prefill_s + r.decode_s
+        return r.token_ids, r.steps, r.prefill_s + r.decode_s, r.accepted
 
 
 def row_dtype(name: str, run_dtype: str) -> str:
@@ -192,9 +197,27 @@ def match_reference(name: str, run_dtype: str, methods: list[str]) -> str:
     return f"ar:{dtype}"
 
 
-def summarize(records, methods, references):
-    """records: method -> list of (category, ids, steps, seconds); speedups are over "ar",
-    match_ar is against references[method] (the AR row of the method's dtype)."""
+def acceptance(accepted: list[int], max_depth: int = 0) -> dict:
+    """Drafted tokens accepted per verify step -> "acceptance_by_depth": entry d-1 the
+    fraction of steps that accepted >= d drafted tokens (how often depth d was accepted, as
+    vLLM's per-position acceptance rate), d = 1 .. max(max_depth, the most accepted);
+    "accepted_histogram": entry k the number of steps that accepted exactly k."""
+    depth = max([max_depth, *accepted])
+    histogram = [0] * (depth + 1)
+    for k in accepted:
+        histogram[k] += 1
+    at_least = [sum(histogram[d:]) for d in range(1, depth + 1)]
+    return {
+        "acceptance_by_depth": [n / max(len(accepted), 1) for n in at_least],
+        "accepted_histogram": histogram,
+    }
+
+
+def summarize(records, methods, references, depths=None):
+    """records: method -> list of (category, ids, steps, seconds, accepted per verify step);
+    speedups are over "ar", match_ar is against references[method] (the AR row of the
+    method's dtype); depths: method -> its tree's depth (acceptance_by_depth's length at
+    least; None: as deep as accepted)."""
 
     def stats(m, idx):
         rows, ar_rows = [records[m][i] for i in idx], [records[references[m]][i] for i in idx]
@@ -207,6 +230,7 @@ def summarize(records, methods, references):
             "reference": references[m],
             "new_tokens": tokens,
             "seconds": seconds,
+            **acceptance([k for r in rows for k in r[4]], (depths or {}).get(m, 0)),
         }
 
     overall = {m: stats(m, range(len(records["ar"]))) for m in methods}

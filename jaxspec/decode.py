@@ -537,6 +537,7 @@ class SpeculativeGenerator:
         eos = set(self.cfg.eos_token_ids)
         outs: list[list[int]] = [[] for _ in range(B)]
         steps = [1] * B
+        accepted: list[list[int]] = [[] for _ in range(B)]  # per row, per verify step
         done = np.zeros(B, bool)
 
         def take(row: int, new: list[int]) -> None:
@@ -580,12 +581,13 @@ class SpeculativeGenerator:
                 for row in np.flatnonzero(np.where(done, 0, n)):
                     take(int(row), emitted[row, : n[row]].tolist())
                     steps[row] += 1
+                    accepted[row].append(int(n[row]) - 1)
             in_flight = launched
         decode_s = time.perf_counter() - start
         self.drafter_state = state  # inspectable (e.g. Chimera's trigram cache counters)
         return [
-            GenerationResult(list(p), out, n_steps, prefill_s, decode_s, compile_s)
-            for p, out, n_steps in zip(prompts, outs, steps, strict=True)
+            GenerationResult(list(p), out, n, prefill_s, decode_s, compile_s, accepted=acc)
+            for p, out, n, acc in zip(prompts, outs, steps, accepted, strict=True)
         ]
 
 

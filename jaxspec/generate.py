@@ -49,6 +49,9 @@ class GenerationResult:
     decode_s: float
     compile_s: float  # compilation done for this call (0 once warm)
     text: str = ""  # the new tokens decoded (filled by jaxspec.Generator)
+    # Per verify step (the prefill is none), how many drafted tokens it accepted: the step
+    # emitted that many + 1, before EOS or max_new_tokens cut the last one. AR: all 0.
+    accepted: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:

@@ -110,6 +110,16 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
                         model_split=split)  # fmt: skip
 
 
+def build_lookup(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options):
+    """Lookup drafts from the text itself: no drafter folder, its default tree per backend."""
+    settings = m.settings_class()()
+    drafter = m.drafter_class().from_settings(model.cfg, settings)
+    return SpeculativeGenerator(
+        model.cfg, model.params, drafter, drafter.init(), drafter.select_tree(tree, settings),
+        sampling, max_len, products=products, mesh=model.mesh,
+    )  # fmt: skip
+
+
 def build_speculative(
     model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options
 ):

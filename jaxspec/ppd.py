@@ -332,7 +332,12 @@ class PpdGenerator:
                 on_tokens([next_id])
         decode_s = time.perf_counter() - start_time
         self.last_stats = PpdStats(matches)
-        return GenerationResult(list(prompt_ids), out, len(out), prefill_s, decode_s, compile_s)
+        # A round emits one token (a hit on an early guess saves time, not tokens: see
+        # last_stats.matches), so each round accepts 0 drafted tokens, as AR.
+        accepted = [0] * (len(out) - 1)
+        return GenerationResult(
+            list(prompt_ids), out, len(out), prefill_s, decode_s, compile_s, accepted=accepted
+        )
 
     def generate_batch(self, prompts, max_new_tokens, seed=0, on_tokens=None):
         """One prompt after the other (PPD pipelines a single sequence)."""

@@ -65,6 +65,8 @@ def options(method: str, drafters: Path) -> dict:
     """Generator keywords for `method` with its drafter from `drafters`."""
     if method == "ar":
         return {}
+    if method == "lookup":  # drafts from the text: no drafter folder
+        return {"tree": TREE}
     if method == "ppd":
         return {"drafter": drafters / method, "ppd_layer": 1}
     return {"drafter": drafters / method, "tree": TREE}

@@ -19,6 +19,7 @@ from jaxspec.device_bench import PARTS
 from jaxspec.device_bench.campaign import TimeCap, time_cap
 from jaxspec.device_bench.device import bandwidth
 from jaxspec.device_bench.end_to_end import (
+    LOOKUP_32,
     PLAIN,
     SEARCHED,
     Skip,
@@ -27,6 +28,7 @@ from jaxspec.device_bench.end_to_end import (
     open_model,
     spec_bench_subset,
 )
+from jaxspec.tree import tree_preset
 from tests.conftest import one_line_error
 
 
@@ -125,9 +127,13 @@ def test_rows_of_the_shipped_drafters_and_what_is_missing(tmp_path):
     cfg = preset("smollm2-135m")
     groups = bench_rows(cfg, {"chimera": tmp_path / "none"})
     default = {r["row"]: r for r in groups["default"]}
-    assert list(default) == ["medusa", "firp", "chimera", "sdsat", "ppd"]
+    assert list(default) == ["medusa", "firp", "chimera", "sdsat", "lookup", "ppd"]
     assert "no chimera drafter" in default["chimera"]["skipped"]
     assert default["ppd"]["tree"] == "" and default["medusa"]["tree"]
+    assert default["lookup"]["tree"] and "skipped" not in default["lookup"]  # no folder needed
+    lookup = groups[SEARCHED].pop(4)
+    assert lookup == {"row": f"lookup@{LOOKUP_32}", "tree": LOOKUP_32}
+    assert tree_preset(LOOKUP_32).n_nodes == 33
     for row in groups[SEARCHED]:
         assert row["row"].endswith(f"@{SEARCHED}") and row["tree"] == SEARCHED
         assert "skipped" not in row or "chimera" in row["row"] or SEARCHED in row["skipped"]

@@ -167,7 +167,7 @@ def test_every_method_decodes_losslessly(models, family, tmp_path):
             PROMPT, max_new_tokens=N
         )
         assert out.token_ids == ar.token_ids, method
-        if method != "ppd":
+        if method not in ("ppd", "lookup"):  # lookup finds nothing to copy in this prompt
             assert out.steps < ar.steps, f"{method} accepted no drafted token ({TREE})"
 
 

@@ -28,6 +28,7 @@ from jaxspec.models import load_model
 from jaxspec.tree import search_tree
 
 SEARCHED = "searched-32"
+LOOKUP_32 = "comb-8-4"  # lookup's row in the SEARCHED group (33 nodes; it has no searched tree)
 PLAIN = "default, plain products"  # the default rows, AR included, multiplying bfloat16
 # weights in one pass everywhere (decode.PRODUCTS): their speed, and whether match_ar holds
 GROUPS = ("default", SEARCHED, PLAIN)  # the rows: each method at its default tree; at SEARCHED
@@ -56,6 +57,11 @@ def bench_rows(cfg, drafters: dict[str, Path], methods=METHODS[1:]) -> dict[str,
     for name in methods:
         folder = drafters.get(name) or DRAFTERS_DIR / cfg.name / name
         searched = {"row": f"{name}@{SEARCHED}", "tree": SEARCHED}
+        if not method(name).drafter_folder:  # lookup: drafts from the text, nothing to load
+            settings = method(name).settings_class()()
+            groups["default"].append({"row": name, "tree": default_tree(settings)})
+            groups[SEARCHED].append({"row": f"{name}@{LOOKUP_32}", "tree": LOOKUP_32})
+            continue
         if not (folder / META).is_file():
             groups["default"].append({"row": name, "skipped": f"no {name} drafter at {folder}"})
             if method(name).tree:

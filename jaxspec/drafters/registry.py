@@ -71,6 +71,14 @@ REGISTRY = {
         _speculative("chimera", "Chimera"),
         _speculative("sdsat", "Sdsat", ("sdsat_loop",), "sdsat_loop"),
         Method(
+            "lookup",
+            "jaxspec.methods:build_lookup",
+            "jaxspec.drafters.lookup:LookupDrafter",
+            "jaxspec.drafters.lookup:LookupSettings",
+            tree=True,
+            row_at="tree",
+        ),  # fmt: skip
+        Method(
             "ppd",
             "jaxspec.methods:build_ppd",
             settings="jaxspec.ppd:PpdSettings",
