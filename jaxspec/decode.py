@@ -33,13 +33,13 @@ from jaxspec.llama import (
 )
 from jaxspec.mesh import Layout, as_mesh, check_divides, mesh_of, place, table_specs
 from jaxspec.sampling import Sampling, check_seed, position_keys, select_tokens
-from jaxspec.tree import TreeSpec
+from jaxspec.topology import tree_topology
+from jaxspec.tree import DynamicTree, TreeSpec
 from jaxspec.verify import (
     accept_greedy,
     accept_sampling,
     accept_typical,
     gather_path,
-    tree_tokens,
 )
 
 # Prompts longer than this are prefilled in chunks of this many tokens (one program per
@@ -207,10 +207,9 @@ def speculative_step(
     [B], next candidates [B,T-1], the accepted path's KVBlock (commit n_emitted of it), the
     drafter's state."""
     B = current.shape[0]
-    tokens = tree_tokens(current, candidates)  # [B,T]
-    depth = jnp.asarray(tree.depth)
-    positions = cache.lengths[:, None] + depth[None]
-    mask = jnp.broadcast_to(jnp.asarray(tree.mask), (B, tree.n_nodes, tree.n_nodes))
+    tokens, topo = tree_topology(current, candidates, tree)  # [B,T], the tree's shape
+    positions = cache.lengths[:, None] + topo.depth
+    mask = topo.mask
     collect = _collected_layers(drafter, cfg)
     every_node = jnp.broadcast_to(jnp.arange(tree.n_nodes), (B, tree.n_nodes))
     _, block, states, drafted = drafter.run_model(
@@ -227,11 +226,11 @@ def speculative_step(
         logits, row_logits = lm_logits(params, cfg, h), None  # [B,T,V]
     keys = position_keys(key, cache.lengths)
     if sampling.greedy:
-        nodes, n_accepted, bonus = accept_greedy(tree, tokens, logits)
+        nodes, n_accepted, bonus = accept_greedy(topo, tokens, logits)
     elif sampling.typical:
-        nodes, n_accepted, bonus = accept_typical(tree, tokens, logits, keys, sampling)
+        nodes, n_accepted, bonus = accept_typical(topo, tokens, logits, keys, sampling)
     else:
-        nodes, n_accepted, bonus = accept_sampling(tree, tokens, logits, keys, sampling)
+        nodes, n_accepted, bonus = accept_sampling(topo, tokens, logits, keys, sampling)
     # Emitted: the accepted drafted tokens, then the bonus token.
     path_tokens = jnp.take_along_axis(tokens, nodes, axis=1)  # [B,D+1], root first
     emitted = jnp.concatenate([path_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -299,7 +298,7 @@ class SpeculativeGenerator:
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.drafter = drafter or NoDrafter()
         self.drafter_params = drafter_params
-        self.tree = tree or TreeSpec(())
+        self.tree = self._checked_tree(tree or TreeSpec(()))
         self.sampling = sampling or Sampling()
         self.max_len = max_len or cfg.max_position
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 2048)
@@ -308,6 +307,20 @@ class SpeculativeGenerator:
         self.drafter_state = None
         self._executables: dict[tuple, tuple[Callable, ...]] = {}
         self._makers: dict[tuple, Callable] = {}  # (kind, batch, cache_len): its maker on the mesh
+
+    def _checked_tree(self, tree):
+        """A dynamic tree needs a drafter with per-depth guesses; its depth, unset, becomes
+        the drafter's."""
+        if not isinstance(tree, DynamicTree):
+            return tree
+        depth = self.drafter.draft_depth
+        if depth is None:
+            raise JaxspecError(
+                f"{tree.label} needs a drafter that guesses per depth (medusa, firp); "
+                f"{type(self.drafter).__name__} drafts fixed trees: pick chain-N, comb-N-W or "
+                "a searched tree"
+            )
+        return tree.at_depth(depth)
 
     @property
     def _static(self) -> dict:

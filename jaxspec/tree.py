@@ -1,4 +1,5 @@
-"""Static draft trees: a hashable spec built from paths, and its numpy constants.
+"""Draft trees: static ones (a hashable spec built from paths, and its numpy constants) and
+dynamic ones (DynamicTree: a node budget; jaxspec.topology chooses the nodes each step).
 
 A path is a tuple of top-k ranks, one per depth: (0,) is the drafter's best guess for the
 next token, (0, 1) the second guess for the token after it, under (0,). Node 0 is the
@@ -218,8 +219,52 @@ PRESETS = {
 }
 
 
-def tree_preset(name: str) -> TreeSpec:
-    """A preset, `chain-N` (any N >= 1) or `comb-N-W` (TreeSpec.comb(N, W)), named `name`."""
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen at every step, on device: the `nodes` drafted nodes of highest path
+    probability (jaxspec.topology.select_nodes) among the drafter's top-`width` guesses up
+    to `depth`. Its shapes are static (one compiled program), its topology is data.
+    `depth` 0: as deep as the drafter drafts (Drafter.draft_depth, set when it is chosen).
+    """
+
+    nodes: int
+    depth: int = 0
+    width: int = 8
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.depth < 0 or self.width < 1:
+            raise JaxspecError(f"invalid dynamic tree {self.name or self}: sizes must be >= 1")
+        reachable = sum(self.width**d for d in range(1, self.depth + 1))
+        if self.depth and reachable < self.nodes:
+            raise JaxspecError(
+                f"dynamic tree {self.label}: only {reachable} nodes within depth {self.depth} "
+                f"at {self.width} guesses a node; deepen or widen it"
+            )
+
+    @property
+    def n_nodes(self) -> int:
+        return self.nodes + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def label(self) -> str:
+        return f"dynamic tree {self.name or self.nodes} ({self.n_nodes} nodes)"
+
+    def at_depth(self, depth: int) -> DynamicTree:
+        """This tree with its depth set (0: unset) to the drafter's `depth`."""
+        return dataclasses.replace(self, depth=min(self.depth or depth, depth))
+
+
+def tree_preset(name: str) -> TreeSpec | DynamicTree:
+    """A preset, `chain-N` (any N >= 1), `comb-N-W` (TreeSpec.comb(N, W)) or `dynamic-N`
+    (DynamicTree: N nodes; `dynamic-N-D-W` sets its depth and guesses a node), named `name`."""
+    if m := re.fullmatch(r"dynamic-([1-9][0-9]*)(?:-([1-9][0-9]*)-([1-9][0-9]*))?", name):
+        depth, width = (int(m[2]), int(m[3])) if m[2] else (0, DynamicTree.width)
+        return DynamicTree(int(m[1]), depth, width, name=name)
     if name in PRESETS:
         return dataclasses.replace(PRESETS[name], name=name)
     if m := re.fullmatch(r"chain-([1-9][0-9]*)", name):
@@ -227,5 +272,6 @@ def tree_preset(name: str) -> TreeSpec:
     if m := re.fullmatch(r"comb-([1-9][0-9]*)-([1-9][0-9]*)", name):
         return dataclasses.replace(TreeSpec.comb(int(m[1]), int(m[2])), name=name)
     raise JaxspecError(
-        f"unknown tree {name!r}; known: {', '.join(PRESETS)}, chain-N, comb-DEPTH-WIDTH"
+        f"unknown tree {name!r}; known: {', '.join(PRESETS)}, chain-N, comb-DEPTH-WIDTH, "
+        "dynamic-N, dynamic-N-DEPTH-WIDTH"
     )

@@ -20,50 +20,54 @@ import jax.numpy as jnp
 
 from jaxspec.kv_cache import KVBlock
 from jaxspec.sampling import Sampling, warped_logprobs
-from jaxspec.tree import TreeSpec
+from jaxspec.topology import Topology
 
 
-def tree_tokens(current: jax.Array, candidates: jax.Array) -> jax.Array:
-    """current [B] (the root) + candidates [B,T-1] -> tree tokens [B,T]."""
-    return jnp.concatenate([current[:, None], candidates], axis=1)
+def at_nodes(x: jax.Array, nodes: jax.Array) -> jax.Array:
+    """x [B,T,...], node indices [B,...] -> x at each row's nodes [B,...(nodes),...]."""
+    return jax.vmap(lambda row, index: row[index])(x, nodes)
 
 
-def _longest_path(tree: TreeSpec, child_ok):
-    """child_ok(parent_nodes, child_nodes) -> [B,P,D] bool: is each path step acceptable?
-    Returns the longest acceptable path's nodes [B,D+1] (0 past the end), its accepted
-    count [B] and its last node [B]."""
-    retrieve = jnp.asarray(tree.retrieve)  # [P,D+1], -1 pads
-    nodes_all = jnp.maximum(retrieve, 0)
-    ok = child_ok(nodes_all[:, :-1], nodes_all[:, 1:]) & (retrieve[None, :, 1:] >= 0)
+def _longest_path(topo: Topology, child_ok):
+    """child_ok(parent_nodes, child_nodes) [B,P,D] each -> [B,P,D] bool: is each path step
+    acceptable? Returns the longest acceptable path's nodes [B,D+1] (0 past the end), its
+    accepted count [B] and its last node [B]."""
+    paths = topo.paths  # [B,P,D+1], -1 pads
+    nodes_all = jnp.maximum(paths, 0)
+    ok = child_ok(nodes_all[:, :, :-1], nodes_all[:, :, 1:]) & (paths[:, :, 1:] >= 0)
     accepted = jnp.cumprod(ok, axis=-1).sum(-1)  # [B,P]
     best = jnp.argmax(accepted, axis=-1)  # [B]
     n_accepted = jnp.take_along_axis(accepted, best[:, None], axis=1)[:, 0]
-    nodes = nodes_all[best] * (jnp.arange(tree.max_depth + 1) <= n_accepted[:, None])
+    nodes = jnp.take_along_axis(nodes_all, best[:, None, None], axis=1)[:, 0]  # [B,D+1]
+    nodes = nodes * (jnp.arange(paths.shape[-1]) <= n_accepted[:, None])
     last = jnp.take_along_axis(nodes, n_accepted[:, None], axis=1)[:, 0]
     return nodes, n_accepted, last
 
 
-def accept_greedy(tree: TreeSpec, tokens: jax.Array, logits: jax.Array):
+def accept_greedy(topo: Topology, tokens: jax.Array, logits: jax.Array):
     """tokens [B,T], logits [B,T,V] -> accepted path nodes [B,D+1], accepted count [B],
     bonus token [B]. Node slots past the accepted count are 0 (unused)."""
     predicted = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,T]
     nodes, n_accepted, last = _longest_path(
-        tree, lambda parents, children: tokens[:, children] == predicted[:, parents]
+        topo, lambda parents, children: at_nodes(tokens, children) == at_nodes(predicted, parents)
     )
     bonus = jnp.take_along_axis(predicted, last[:, None], axis=1)[:, 0]
     return nodes, n_accepted, bonus
 
 
-def accept_sampling(tree: TreeSpec, tokens, logits, keys, sampling: Sampling):
+def accept_sampling(topo: Topology, tokens, logits, keys, sampling: Sampling):
     """As accept_greedy, by lossless rejection sampling; keys [B] one PRNG key per row."""
     probs = jnp.exp(warped_logprobs(logits, sampling))  # [B,T,V]
-    return jax.vmap(lambda t, p, k: _sample_path(tree, t, p, k))(tokens, probs, keys)
+    D = topo.paths.shape[-1] - 1
+    return jax.vmap(lambda c, t, p, k: _sample_path(c, D, t, p, k))(
+        topo.children, tokens, probs, keys
+    )
 
 
-def _sample_path(tree: TreeSpec, tokens, probs, key):
-    """One row: tokens [T], probs [T,V] -> nodes [D+1], accepted count, bonus token."""
-    children = jnp.asarray(tree.children)  # [T,C]
-    D, C = tree.max_depth, children.shape[1]
+def _sample_path(children, D: int, tokens, probs, key):
+    """One row: children [T,C] (best first), tokens [T], probs [T,V] -> nodes [D+1],
+    accepted count, bonus token."""
+    C = children.shape[1]
     uniforms = jax.random.uniform(key, (max(D, 1), C))
     node, n_accepted, done = jnp.int32(0), jnp.int32(0), jnp.bool_(False)
     nodes = jnp.zeros((D + 1,), jnp.int32)
@@ -89,7 +93,7 @@ def _sample_path(tree: TreeSpec, tokens, probs, key):
     return nodes, n_accepted, bonus
 
 
-def accept_typical(tree: TreeSpec, tokens, logits, keys, sampling: Sampling, eps=0.09, alpha=0.3):
+def accept_typical(topo: Topology, tokens, logits, keys, sampling: Sampling, eps=0.09, alpha=0.3):
     """Medusa's typical acceptance (NOT lossless): the longest path whose drafted tokens
     each have probability > min(eps, alpha * exp(-entropy)) under their parent's warped
     distribution; the bonus token is sampled from the last accepted node."""
@@ -99,10 +103,12 @@ def accept_typical(tree: TreeSpec, tokens, logits, keys, sampling: Sampling, eps
     threshold = jnp.minimum(eps, alpha * jnp.exp(-entropy))  # [B,T]
 
     def child_ok(parents, children):
-        p_child = jnp.take_along_axis(probs[:, parents], tokens[:, children][..., None], axis=-1)
-        return p_child[..., 0] > threshold[:, parents]
+        p_child = jnp.take_along_axis(
+            at_nodes(probs, parents), at_nodes(tokens, children)[..., None], axis=-1
+        )
+        return p_child[..., 0] > at_nodes(threshold, parents)
 
-    nodes, n_accepted, last = _longest_path(tree, child_ok)
+    nodes, n_accepted, last = _longest_path(topo, child_ok)
     last_logprobs = jnp.take_along_axis(logprobs, last[:, None, None], axis=1)[:, 0]
     bonus = jax.vmap(jax.random.categorical)(keys, last_logprobs).astype(jnp.int32)
     return nodes, n_accepted, bonus

@@ -21,7 +21,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
 from jaxspec.llama import compute_params, forward, init_params
 from jaxspec.sampling import Sampling, warped_logprobs
-from jaxspec.tree import TreeSpec, expected_tokens_per_step, search_tree, tree_preset
+from jaxspec.tree import DynamicTree, TreeSpec, expected_tokens_per_step, search_tree, tree_preset
 from tests.drafters import OracleDrafter, RandomDrafter
 from tests.test_generate import n_programs
 
@@ -183,6 +183,13 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
         from tests.test_chimera import random_chimera
 
         return random_chimera(cfg, params, 4)
+    if name == "medusa":  # heads perturbed from zero: guesses near the model's own
+        from jaxspec.drafters.medusa import MedusaDrafter
+
+        drafter = MedusaDrafter(cfg, 3)
+        heads = drafter.init(params)
+        noise = jax.random.normal(jax.random.key(6), (3, cfg.dim, cfg.dim)) / np.sqrt(cfg.dim)
+        return drafter, {"heads": [{**h, "w": noise[i]} for i, h in enumerate(heads["heads"])]}
     from jaxspec.drafters.firp import FirpDrafter
 
     drafter = FirpDrafter(cfg, (1, 2))
@@ -202,6 +209,8 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
         ("cpu-8", Sampling(0.8), "chimera"),
         ("comb-3-3", Sampling(1.0, top_p=0.95), "sdsat"),
         ("comb-2-2", Sampling(0.9), "sdsat-one-forward"),
+        ("dynamic-6-3-3", Sampling(1.0), "medusa"),
+        ("dynamic-8-2-4", Sampling(0.8, top_p=0.9), "firp"),
     ],
 )
 def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling, drafter_name):
@@ -224,12 +233,14 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
     tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (N, len(prompt)))
     tokens, lengths = place("rows", (tokens, jnp.full((N,), len(prompt), jnp.int32)))
     state = place("state", drafter.init_state(cfg, N, 32, jnp.float32))
-    _, _, block, state = prefill_and_draft(
+    _, drafted, block, state = prefill_and_draft(
         params, dparams, tokens, lengths, jax.random.key(0), state, **static
     )
     cache = commit(cache, block, lengths)
     current = place("rows", jnp.full((N,), root, jnp.int32))
     candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)
+    if isinstance(tree, DynamicTree):  # its topology too is the drafter's: take its draft
+        candidates = drafted
     candidates = place("rows", candidates)
     if drafter.drafts_from_cache:
         candidates = redraft(params, dparams, cache, current, tree=tree, drafter=drafter)

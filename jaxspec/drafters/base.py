@@ -14,7 +14,8 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache
 from jaxspec.llama import run_layers
-from jaxspec.tree import TreeSpec, tree_preset
+from jaxspec.topology import select_nodes
+from jaxspec.tree import DynamicTree, TreeSpec, tree_preset
 
 # On CPU a 1-deep chain: larger trees cost more than their extra accepted tokens gain there.
 CPU_TREE = "chain-1"
@@ -101,6 +102,9 @@ class Drafter:
 
     collect: tuple[int, ...] = ()
     drafts_from_cache: bool = False
+    # Depths of path-independent guesses `propose` can make (tree_candidates): such a
+    # drafter fills dynamic trees up to that depth; None: static trees only.
+    draft_depth: int | None = None
 
     @classmethod
     def from_settings(cls, cfg: LlamaConfig, settings: DrafterSettings, **options) -> Drafter:
@@ -164,9 +168,12 @@ class Drafter:
         return jax.tree.map(lambda _: layout.rows, state)
 
 
-def tree_candidates(logits: jax.Array, tree: TreeSpec) -> jax.Array:
+def tree_candidates(logits: jax.Array, tree: TreeSpec | DynamicTree):
     """Per-depth guesses logits [B,K,V] (K >= max depth) -> candidates [B,T-1]: the node at
-    depth d and rank r gets the rank-r token of depth d's guess."""
+    depth d and rank r gets the rank-r token of depth d's guess; for a dynamic tree, the
+    nodes of highest path probability (a topology.Draft)."""
+    if isinstance(tree, DynamicTree):
+        return select_nodes(logits, tree)
     top = jax.lax.top_k(logits, tree.width)[1]  # [B,K,width]
     depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
     return top[:, depth, rank].astype(jnp.int32)

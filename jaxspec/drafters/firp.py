@@ -38,7 +38,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.layers import dense
 from jaxspec.llama import embed, final_norm, lm_logits, run_layers
-from jaxspec.tree import TreeSpec, last_accepted_probability
+from jaxspec.tree import DynamicTree, TreeSpec, last_accepted_probability
 
 
 def apply_map(layer_map: dict, h: jax.Array) -> jax.Array:
@@ -82,6 +82,12 @@ class FirpDrafter(Drafter):
     def for_tree(self, tree: TreeSpec, settings: FirpSettings, data, firp_chains=None, **options):
         """Pseudo chains on the `firp_chains` nodes of `tree` likeliest to end a step (None:
         the drafter's `chains` setting; 0 or absent: every node)."""
+        if isinstance(tree, DynamicTree):  # its nodes change every step
+            if firp_chains:
+                raise JaxspecError(
+                    f"pseudo chains go on every node of {tree.label}: drop --firp-chains"
+                )
+            return self
         n_chains = settings.chains if firp_chains is None else firp_chains
         if n_chains < 0:
             raise JaxspecError(f"--firp-chains must be >= 0 (0 = every node), got {n_chains}")
@@ -95,6 +101,10 @@ class FirpDrafter(Drafter):
     @property
     def n_steps(self) -> int:
         return len(self.layers)
+
+    @property
+    def draft_depth(self) -> int:
+        return self.n_steps
 
     def init(self, base_params=None, key=None) -> dict:
         """Identity maps: before training a pseudo state starts as a copy of its anchor (the

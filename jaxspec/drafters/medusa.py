@@ -39,6 +39,10 @@ class MedusaDrafter(Drafter):
     def collect(self) -> tuple[int, ...]:
         return (self.cfg.n_layers,)
 
+    @property
+    def draft_depth(self) -> int:
+        return self.n_heads
+
     @classmethod
     def from_settings(cls, cfg: LlamaConfig, settings: MedusaSettings, **options) -> MedusaDrafter:
         return cls(cfg, settings.n_heads, settings.own_lm_head)

@@ -1,0 +1,117 @@
+"""A draft tree's topology as arrays, per row: what verification and acceptance read.
+
+A static tree (tree.TreeSpec) gives the same constants to every row. A dynamic tree
+(tree.DynamicTree) is chosen on device at every step: its drafter scores candidate nodes
+and keeps the N best by path probability (`select_nodes`), so the topology is data (a
+`Draft`: tokens, parents, depths), while the node count, the depth bound and every shape
+stay static: one compiled program serves every topology.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxspec.tree import DynamicTree, TreeSpec
+
+
+@flax.struct.dataclass
+class Topology:
+    """Per row: depth [B,T] (root 0); mask [B,T,T] (a node sees itself and its
+    ancestors); paths [B,P,D+1] (root-to-node node indices, -1 past the end); children
+    [B,T,C] (each node's children, best first, -1 pads)."""
+
+    depth: jax.Array
+    mask: jax.Array
+    paths: jax.Array
+    children: jax.Array
+
+
+@flax.struct.dataclass
+class Draft:
+    """A dynamic tree's drafted nodes 1..N, best first (a parent before its children):
+    tokens, parent (node index, 0 the root) and depth, each [B,N]."""
+
+    tokens: jax.Array
+    parent: jax.Array
+    depth: jax.Array
+
+
+def static_topology(tree: TreeSpec, batch: int) -> Topology:
+    """The static tree's constants for every row (its root-to-leaf paths only)."""
+
+    def rows(x):
+        return jnp.broadcast_to(jnp.asarray(x), (batch, *x.shape))
+
+    return Topology(rows(tree.depth), rows(tree.mask), rows(tree.retrieve), rows(tree.children))
+
+
+def parent_topology(parent: jax.Array, depth: jax.Array, max_depth: int, width: int):
+    """parent [B,T] (the root's own 0), depth [B,T] -> Topology (a path to every node; at
+    most `width` children a node)."""
+    B, T = parent.shape
+    up = [jnp.broadcast_to(jnp.arange(T), (B, T))]  # up[k]: each node's k-th ancestor
+    for _ in range(max_depth):
+        up.append(jnp.take_along_axis(parent, up[-1], axis=1))
+    ancestors = jnp.stack(up, axis=-1)  # [B,T,D+1]
+    mask = jnp.any(ancestors[:, :, :, None] == jnp.arange(T), axis=2)  # [B,T,T]
+    level = jnp.arange(max_depth + 1)
+    back = jnp.clip(depth[..., None] - level, 0, max_depth)  # the ancestor at depth `level`
+    paths = jnp.where(
+        level <= depth[..., None], jnp.take_along_axis(ancestors, back, axis=2), -1
+    )  # [B,T,D+1]
+    node = jnp.arange(T)
+    is_child = (parent[:, None, :] == node[None, :, None]) & (node != 0)  # [B,n,m]
+    order = jnp.cumsum(is_child, axis=-1) - 1
+    slot = is_child[:, :, None, :] & (order[:, :, None, :] == jnp.arange(width)[:, None])
+    children = jnp.where(slot.any(-1), jnp.argmax(slot, -1), -1)  # [B,T,C]
+    return Topology(depth, mask, paths.astype(jnp.int32), children.astype(jnp.int32))
+
+
+def tree_topology(current: jax.Array, candidates, tree) -> tuple[jax.Array, Topology]:
+    """The root current [B] and the drafter's candidates (an array [B,T-1] for a static
+    tree, a Draft for a dynamic one) -> tree tokens [B,T] and its Topology."""
+    B = current.shape[0]
+    if not isinstance(tree, DynamicTree):
+        return jnp.concatenate([current[:, None], candidates], axis=1), static_topology(tree, B)
+    zero = jnp.zeros((B, 1), jnp.int32)
+    tokens = jnp.concatenate([current[:, None], candidates.tokens], axis=1)
+    parent = jnp.concatenate([zero, candidates.parent], axis=1)
+    depth = jnp.concatenate([zero, candidates.depth], axis=1)
+    return tokens, parent_topology(parent, depth, tree.max_depth, tree.width)
+
+
+def select_nodes(logits: jax.Array, tree: DynamicTree) -> Draft:
+    """Per-depth guesses logits [B,K,V] (K >= depth; guesses at depth d do not depend on
+    the path, as Medusa heads' and FIRP's) -> the N nodes of highest path probability (the
+    product of the drafter's probabilities along the path) among the paths of top-`width`
+    guesses up to tree.max_depth. Depth by depth only the N best of each depth can have
+    chosen children, so each depth keeps its N best; then the N best of all depths are the
+    tree (a path's probability never exceeds its parent's: ties go to the shallower,
+    earlier node, so every chosen node's parent is chosen)."""
+    B, N, D, k = logits.shape[0], tree.n_nodes - 1, tree.max_depth, tree.width
+    logp = jax.nn.log_softmax(logits[:, :D].astype(jnp.float32), axis=-1)
+    guess_lp, guess = jax.lax.top_k(logp, k)  # [B,D,k]
+    score, rank = jax.lax.top_k(guess_lp[:, 0], min(N, k))  # depth 1
+    scores, tokens = [score], [jnp.take_along_axis(guess[:, 0], rank, axis=1)]
+    parents, depths, offset = [jnp.full_like(rank, -1)], [jnp.ones_like(rank)], 0
+    for d in range(1, D):
+        M = score.shape[1]
+        grown = (score[:, :, None] + guess_lp[:, d][:, None, :]).reshape(B, M * k)
+        score, index = jax.lax.top_k(grown, min(N, M * k))
+        tokens.append(jnp.take_along_axis(guess[:, d], index % k, axis=1))
+        parents.append(offset + index // k)  # into the pool
+        depths.append(jnp.full_like(index, d + 1))
+        scores.append(score)
+        offset += M
+    pool = [jnp.concatenate(x, axis=1) for x in (scores, tokens, parents, depths)]
+    _, chosen = jax.lax.top_k(pool[0], N)  # [B,N] best first: parents before children
+    node_of = jnp.zeros_like(pool[0], jnp.int32)  # pool index -> node index (0: not chosen)
+    node_of = node_of.at[jnp.arange(B)[:, None], chosen].set(jnp.arange(1, N + 1))
+    pick = lambda x: jnp.take_along_axis(x, chosen, axis=1)  # noqa: E731
+    parent_pool = pick(pool[2])
+    parent = jnp.where(
+        parent_pool >= 0, jnp.take_along_axis(node_of, jnp.maximum(parent_pool, 0), axis=1), 0
+    )
+    return Draft(pick(pool[1]).astype(jnp.int32), parent.astype(jnp.int32), pick(pool[3]))

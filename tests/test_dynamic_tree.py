@@ -1,0 +1,133 @@
+"""Dynamic trees: each step the N drafted nodes of highest path probability, chosen on
+device with static shapes; their topology verified and accepted like a static tree's, and
+decoding that stays AR's (the sampling distribution: tests/test_speculative.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import export
+from jaxspec.errors import JaxspecError
+from jaxspec.topology import parent_topology, select_nodes, static_topology, tree_topology
+from jaxspec.tree import DynamicTree, tree_preset
+from tests.test_api import write_drafters
+
+
+def brute_force_scores(logits: np.ndarray, depth: int, width: int) -> np.ndarray:
+    """Every path of top-`width` ranks up to `depth` -> its log path probability, best
+    first (one row of per-depth logits [K,V])."""
+    logp = jax.nn.log_softmax(jnp.asarray(logits[:depth], jnp.float32), axis=-1)
+    top = np.sort(np.asarray(logp), axis=-1)[:, ::-1][:, :width]  # [depth,width]
+    paths = [p for n in range(1, depth + 1) for p in itertools.product(range(width), repeat=n)]
+    scores = [sum(top[d, r] for d, r in enumerate(path)) for path in paths]
+    return np.sort(scores)[::-1]
+
+
+@pytest.mark.parametrize("nodes, depth, width", [(6, 3, 3), (16, 4, 4), (10, 2, 5)])
+def test_chosen_nodes_are_the_best_by_the_drafters_scores(nodes, depth, width):
+    tree = DynamicTree(nodes, depth, width)
+    logits = 2.0 * jax.random.normal(jax.random.key(nodes), (3, depth, 17))
+    draft = select_nodes(logits, tree)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    for b in range(3):
+        tokens, parent, d = (np.asarray(x[b]) for x in (draft.tokens, draft.parent, draft.depth))
+        # each node's score: its parent's plus its own token's log probability at its depth
+        score = np.zeros(nodes + 1)
+        depth_of = np.concatenate([[0], d])
+        for n in range(1, nodes + 1):
+            p = parent[n - 1]
+            assert p < n and depth_of[n] == depth_of[p] + 1  # parents first, one level up
+            score[n] = score[p] + float(logp[b, depth_of[n] - 1, tokens[n - 1]])
+        best = brute_force_scores(np.asarray(logits[b]), depth, width)[:nodes]
+        np.testing.assert_allclose(np.sort(score[1:])[::-1], best, rtol=1e-5, atol=1e-5)
+        siblings = [(parent[i], tokens[i]) for i in range(nodes)]
+        assert len(set(siblings)) == nodes  # no node twice
+
+
+def test_ties_keep_every_parent():
+    """Uniform guesses tie every node of a depth: parents still come first."""
+    draft = select_nodes(jnp.zeros((1, 3, 9)), DynamicTree(12, 3, 3))
+    parent = np.asarray(draft.parent[0])
+    assert all(p < n for n, p in enumerate(parent, start=1))
+    assert sorted(np.asarray(draft.depth[0]).tolist()) == [1] * 3 + [2] * 9
+
+
+@pytest.mark.parametrize("name", ["cpu-8", "comb-2-3", "gpu-32"])
+def test_topology_from_parents_equals_the_static_trees(name):
+    tree = tree_preset(name)
+    static = static_topology(tree, 1)
+    built = parent_topology(
+        jnp.asarray(np.maximum(tree.parent, 0))[None], jnp.asarray(tree.depth)[None],
+        tree.max_depth, tree.children.shape[1],
+    )  # fmt: skip
+    np.testing.assert_array_equal(built.mask, static.mask)
+    np.testing.assert_array_equal(built.children, static.children)  # rank order = node order
+    leaves = [row[row >= 0][-1] for row in tree.retrieve]
+    np.testing.assert_array_equal(built.paths[0, leaves], static.paths[0])
+
+
+def test_dynamic_tree_names_and_bad_sizes():
+    assert tree_preset("dynamic-16") == DynamicTree(16, 0, 8)
+    assert tree_preset("dynamic-16-3-5") == DynamicTree(16, 3, 5)
+    assert tree_preset("dynamic-16").at_depth(4).max_depth == 4
+    with pytest.raises(JaxspecError, match="only 6 nodes within depth 2"):
+        tree_preset("dynamic-8-2-2")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return jaxspec.load_model(tiny_ckpt[0], dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_ckpt, tmp_path_factory):
+    return write_drafters(tiny_ckpt[0], tmp_path_factory.mktemp("drafters"))
+
+
+PROMPTS = ["w5 w9 w7 w11", "w8 w30 w8"]
+
+
+@pytest.mark.parametrize("method, tree", [("medusa", "dynamic-8"), ("medusa", "dynamic-16-2-10"),
+                                          ("firp", "dynamic-8")])  # fmt: skip
+def test_dynamic_trees_decode_ars_tokens(model, drafters, method, tree):
+    ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
+    gen = jaxspec.Generator(model, method, drafter=drafters / method, tree=tree)
+    got = gen.generate(PROMPTS, max_new_tokens=16)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert sum(r.steps for r in got) < sum(r.steps for r in ar)  # drafts were accepted
+
+
+def test_drafters_of_fixed_trees_refuse_dynamic_ones(model, drafters):
+    with pytest.raises(JaxspecError, match="needs a drafter that guesses per depth"):
+        jaxspec.Generator(model, "chimera", drafter=drafters / "chimera", tree="dynamic-8")
+    with pytest.raises(JaxspecError, match="pseudo chains go on every node"):
+        jaxspec.Generator(model, "firp", drafter=drafters / "firp", tree="dynamic-8",
+                          firp_chains=2)  # fmt: skip
+
+
+def test_export_dynamic_tree_step(model, drafters):
+    """The verify step with a topology chosen on device lowers for cuda and tpu."""
+    from jaxspec.methods import build_generator
+
+    decoder = build_generator(model, "medusa", drafters / "medusa", tree="dynamic-8")
+    plan = decoder.lowerings(*decoder.example_inputs(2, 16, 64))
+    exported = export.export_all({k: plan[k] for k in ("prefill", "step")})
+    assert set(exported["step"]) == set(export.ACCELERATORS)
+
+
+def test_tree_topology_of_a_draft_is_the_drafts():
+    tree = DynamicTree(4, 2, 2)
+    draft = select_nodes(jax.random.normal(jax.random.key(3), (1, 2, 7)), tree)
+    tokens, topo = tree_topology(jnp.array([5]), draft, tree)
+    assert tokens[0, 0] == 5 and tokens.shape == (1, 5)
+    parent = np.concatenate([[0], np.asarray(draft.parent[0])])
+    for n in range(1, 5):  # a node sees itself, its parent's view, nothing else
+        expected = np.asarray(topo.mask[0, parent[n]]).copy()
+        expected[n] = True
+        np.testing.assert_array_equal(topo.mask[0, n], expected)
