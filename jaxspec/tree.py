@@ -221,11 +221,12 @@ PRESETS = {
 
 @dataclasses.dataclass(frozen=True)
 class DynamicTree:
-    """A tree chosen at every step, on device: the `nodes` drafted nodes of highest path
-    probability (jaxspec.topology.select_nodes) among the drafter's top-`width` guesses up
-    to `depth`. Its shapes are static (one compiled program), its topology is data.
-    `depth` 0: as deep as the drafter drafts (Drafter.draft_depth, set when it is chosen).
-    """
+    """A tree chosen at every step, on device: `nodes` nodes counting the root (as a
+    static tree's name counts them: dynamic-8 verifies as many rows as searched-8), the
+    others the drafted nodes of highest path probability (jaxspec.topology.select_nodes)
+    among the drafter's top-`width` guesses up to `depth`. Its shapes are static (one
+    compiled program), its topology is data. `depth` 0: as deep as the drafter drafts
+    (Drafter.draft_depth, set when it is chosen)."""
 
     nodes: int
     depth: int = 0
@@ -233,10 +234,13 @@ class DynamicTree:
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
-        if self.nodes < 1 or self.depth < 0 or self.width < 1:
-            raise JaxspecError(f"invalid dynamic tree {self.name or self}: sizes must be >= 1")
+        if self.nodes < 2 or self.depth < 0 or self.width < 1:
+            raise JaxspecError(
+                f"invalid dynamic tree {self.name or self}: it needs 2 nodes or more, a "
+                "width of 1 or more"
+            )
         reachable = sum(self.width**d for d in range(1, self.depth + 1))
-        if self.depth and reachable < self.nodes:
+        if self.depth and reachable < self.nodes - 1:
             raise JaxspecError(
                 f"dynamic tree {self.label}: only {reachable} nodes within depth {self.depth} "
                 f"at {self.width} guesses a node; deepen or widen it"
@@ -244,7 +248,7 @@ class DynamicTree:
 
     @property
     def n_nodes(self) -> int:
-        return self.nodes + 1
+        return self.nodes
 
     @property
     def max_depth(self) -> int:
@@ -252,7 +256,7 @@ class DynamicTree:
 
     @property
     def label(self) -> str:
-        return f"dynamic tree {self.name or self.nodes} ({self.n_nodes} nodes)"
+        return f"dynamic tree {self.name or self.nodes} ({self.nodes} nodes)"
 
     def at_depth(self, depth: int) -> DynamicTree:
         """This tree with its depth set (0: unset) to the drafter's `depth`."""
@@ -261,7 +265,8 @@ class DynamicTree:
 
 def tree_preset(name: str) -> TreeSpec | DynamicTree:
     """A preset, `chain-N` (any N >= 1), `comb-N-W` (TreeSpec.comb(N, W)) or `dynamic-N`
-    (DynamicTree: N nodes; `dynamic-N-D-W` sets its depth and guesses a node), named `name`."""
+    (DynamicTree: N nodes with the root; `dynamic-N-D-W` sets its depth and guesses a node),
+    named `name`."""
     if m := re.fullmatch(r"dynamic-([1-9][0-9]*)(?:-([1-9][0-9]*)-([1-9][0-9]*))?", name):
         depth, width = (int(m[2]), int(m[3])) if m[2] else (0, DynamicTree.width)
         return DynamicTree(int(m[1]), depth, width, name=name)

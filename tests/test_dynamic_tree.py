@@ -31,7 +31,7 @@ def brute_force_scores(logits: np.ndarray, depth: int, width: int) -> np.ndarray
 
 @pytest.mark.parametrize("nodes, depth, width", [(6, 3, 3), (16, 4, 4), (10, 2, 5)])
 def test_chosen_nodes_are_the_best_by_the_drafters_scores(nodes, depth, width):
-    tree = DynamicTree(nodes, depth, width)
+    tree = DynamicTree(nodes + 1, depth, width)  # `nodes` drafted nodes and the root
     logits = 2.0 * jax.random.normal(jax.random.key(nodes), (3, depth, 17))
     draft = select_nodes(logits, tree)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -52,7 +52,7 @@ def test_chosen_nodes_are_the_best_by_the_drafters_scores(nodes, depth, width):
 
 def test_ties_keep_every_parent():
     """Uniform guesses tie every node of a depth: parents still come first."""
-    draft = select_nodes(jnp.zeros((1, 3, 9)), DynamicTree(12, 3, 3))
+    draft = select_nodes(jnp.zeros((1, 3, 9)), DynamicTree(13, 3, 3))
     parent = np.asarray(draft.parent[0])
     assert all(p < n for n, p in enumerate(parent, start=1))
     assert sorted(np.asarray(draft.depth[0]).tolist()) == [1] * 3 + [2] * 9
@@ -76,6 +76,7 @@ def test_dynamic_tree_names_and_bad_sizes():
     assert tree_preset("dynamic-16") == DynamicTree(16, 0, 8)
     assert tree_preset("dynamic-16-3-5") == DynamicTree(16, 3, 5)
     assert tree_preset("dynamic-16").at_depth(4).max_depth == 4
+    assert tree_preset("dynamic-7-2-2").n_nodes == 7  # the root and all 6 nodes of depth <= 2
     with pytest.raises(JaxspecError, match="only 6 nodes within depth 2"):
         tree_preset("dynamic-8-2-2")
 
@@ -122,7 +123,7 @@ def test_export_dynamic_tree_step(model, drafters):
 
 
 def test_tree_topology_of_a_draft_is_the_drafts():
-    tree = DynamicTree(4, 2, 2)
+    tree = DynamicTree(5, 2, 2)
     draft = select_nodes(jax.random.normal(jax.random.key(3), (1, 2, 7)), tree)
     tokens, topo = tree_topology(jnp.array([5]), draft, tree)
     assert tokens[0, 0] == 5 and tokens.shape == (1, 5)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from jaxspec.checkpoint import DEFAULT_MODEL_NAME, default_model_dir, is_checkpoint
@@ -34,6 +35,8 @@ def ensure_default_model() -> Path:
         from jaxspec.convert import convert
 
         check_writable_dir(out, "the model cache ($JAXSPEC_HOME)")
-        print(f"converting the default model into {out} (first use only) ...", flush=True)
+        # On stderr: stdout may be a --json result that a script parses.
+        print(f"converting the default model into {out} (first use only) ...", file=sys.stderr,
+              flush=True)  # fmt: skip
         convert(packaged_gguf(), out, name=DEFAULT_MODEL_NAME)
     return out

@@ -4,6 +4,7 @@ package and dequantised to float32."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -183,5 +184,5 @@ def gguf_tokenizer(path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # unsupported tokenizer kinds: weights still convert
-        print(f"note: no tokenizer converted from {path.name} ({e})")
+        print(f"note: no tokenizer converted from {path.name} ({e})", file=sys.stderr)
         return None
