@@ -24,8 +24,9 @@ import numpy as np
 from jaxspec.checkpoint import default_dtype
 from jaxspec.config import preset
 from jaxspec.device_bench.shapes import time_steps
+from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params, init_params
-from jaxspec.tree import TreeSpec, tree_preset
+from jaxspec.tree import DynamicTree, TreeSpec, tree_preset
 
 
 def step_ms(cfg, params, tree: TreeSpec, context: int, steps: int, dtype) -> float:
@@ -64,6 +65,20 @@ def measure(cfg, bandwidth_gbs: float, context: int, steps: int, dtype, trees=()
     return result
 
 
+def static_tree(name: str) -> str:
+    """A static tree preset's name (argparse type): roofline times fixed topologies."""
+    try:
+        tree = tree_preset(name)
+    except JaxspecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if isinstance(tree, DynamicTree):
+        raise argparse.ArgumentTypeError(
+            f"{name}: roofline times static trees (a dynamic-N step verifies as many rows "
+            "as a static N-node tree, plus choosing them): pass gpu-32, cpu-8, comb-D-W ..."
+        )
+    return name
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m infer.roofline", description=__doc__)
     p.add_argument("--preset", default="smollm2-135m")
@@ -71,7 +86,13 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: by backend")
-    p.add_argument("--trees", nargs="*", default=[], help="tree presets to time verify steps of")
+    p.add_argument(
+        "--trees",
+        nargs="*",
+        default=[],
+        help="tree presets to time verify steps of",
+        type=static_tree,
+    )
     args = p.parse_args(argv)
     dtype = jnp.dtype(args.dtype) if args.dtype else default_dtype()
     cfg = preset(args.preset)

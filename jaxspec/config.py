@@ -191,6 +191,14 @@ class LlamaConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json for the family's transformers class (HF_ARCHITECTURES)."""
         rs = self.rope_scaling
+        owners = {"qkv_bias": "qwen2", "qk_norm": "qwen3", "sliding_window": "mistral"}
+        stray = [f for f, family in owners.items() if getattr(self, f) and self.family != family]
+        if stray:
+            raise JaxspecError(
+                f"{self.family} HF configs cannot hold {', '.join(stray)}: set the config's "
+                "family to the one that has it (qkv_bias: qwen2, qk_norm: qwen3, "
+                "sliding_window: mistral)"
+            )
         if rs.kind == "freq_factors":
             raise JaxspecError(
                 "HF configs cannot hold per-frequency RoPE factors (a GGUF's rope_freqs): "

@@ -316,9 +316,9 @@ class SpeculativeGenerator:
         depth = self.drafter.draft_depth
         if depth is None:
             raise JaxspecError(
-                f"{tree.label} needs a drafter that guesses per depth (medusa, firp); "
-                f"{type(self.drafter).__name__} drafts fixed trees: pick chain-N, comb-N-W or "
-                "a searched tree"
+                f"{tree.label} needs a drafter whose guesses do not depend on the path "
+                "(medusa, firp); this one drafts fixed trees: pick chain-N, comb-N-W or a "
+                "searched tree"
             )
         return tree.at_depth(depth)
 

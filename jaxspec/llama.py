@@ -157,18 +157,18 @@ def run_layers(
     cos, sin = rope_tables(cfg, positions)
     if cache is None:
         mask, keys_in, values_in = new_mask, [None] * cfg.n_layers, [None] * cfg.n_layers
-        key_positions = positions
-    else:
-        if context_mask is None:
-            mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
-        else:
-            mask = jnp.concatenate([context_mask, new_mask], axis=-1)
+    elif context_mask is None:
+        mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
         keys_in, values_in = cache.keys, cache.values
+    else:
+        mask = jnp.concatenate([context_mask, new_mask], axis=-1)
+        keys_in, values_in = cache.keys, cache.values
+    if cfg.sliding_window:  # keys: the cache's slots (slot s holds position s), then the new
         B, T = positions.shape
         S = mask.shape[-1] - T
-        key_positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(S), (B, S)), positions], 1)
-    if cfg.sliding_window:
-        mask = mask & within_window(positions, key_positions, cfg.sliding_window)
+        slots = jnp.broadcast_to(jnp.arange(S), (B, S))
+        key_positions = jnp.concatenate([slots, positions], axis=1)  # [B,S+T]
+        mask = jnp.logical_and(mask, within_window(positions, key_positions, cfg.sliding_window))
     keys, values = [], []
     collected = {start: h} if start in collect else {}
     for i in range(start, stop):

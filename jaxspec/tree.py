@@ -236,14 +236,14 @@ class DynamicTree:
     def __post_init__(self):
         if self.nodes < 2 or self.depth < 0 or self.width < 1:
             raise JaxspecError(
-                f"invalid dynamic tree {self.name or self}: it needs 2 nodes or more, a "
-                "width of 1 or more"
+                f"invalid {self.label}: it needs 2 nodes or more and 1 guess a node or more"
             )
         reachable = sum(self.width**d for d in range(1, self.depth + 1))
         if self.depth and reachable < self.nodes - 1:
             raise JaxspecError(
-                f"dynamic tree {self.label}: only {reachable} nodes within depth {self.depth} "
-                f"at {self.width} guesses a node; deepen or widen it"
+                f"{self.label} has only {reachable} nodes within depth {self.depth} at "
+                f"{self.width} guesses a node; take fewer nodes or more guesses "
+                "(dynamic-N-DEPTH-WIDTH)"
             )
 
     @property
@@ -256,11 +256,11 @@ class DynamicTree:
 
     @property
     def label(self) -> str:
-        return f"dynamic tree {self.name or self.nodes} ({self.nodes} nodes)"
+        return f"tree {self.name or f'dynamic-{self.nodes}'} ({self.nodes} nodes, dynamic)"
 
     def at_depth(self, depth: int) -> DynamicTree:
-        """This tree with its depth set (0: unset) to the drafter's `depth`."""
-        return dataclasses.replace(self, depth=min(self.depth or depth, depth))
+        """This tree with its depth, when unset, set to the drafter's `depth`."""
+        return self if self.depth else dataclasses.replace(self, depth=depth)
 
 
 def tree_preset(name: str) -> TreeSpec | DynamicTree:

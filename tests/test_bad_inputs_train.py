@@ -59,6 +59,8 @@ CASES = [
     Case("layers-text", "train", tiny_args("firp", "--layers", "1,two"),
          "--layers: takes comma-separated integers"),
     Case("cpu-tree", "train", tiny_args("sdsat", "--cpu-tree", "bushy"), "unknown tree 'bushy'"),
+    Case("cpu-tree-dynamic", "train", tiny_args("sdsat", "--cpu-tree", "dynamic-8"),
+         "sdsat drafts fixed trees"),  # fmt: skip
     Case("out-not-empty", "train", tiny_args("medusa"), "is not empty; pass --overwrite",
          setup=write("out/CARD.md"), keep=("out",)),
     Case("out-under-a-file", "train", tiny_args("ppd", "--out", lambda f, _: f / "f" / "sub"),

@@ -188,6 +188,9 @@ def test_roofline_reports_a_fraction(capsys):
     assert got["model"] == "tiny-gqa" and got["fraction_of_floor"] > 0 and got["ms_per_token"] > 0
     assert {name: v["nodes"] for name, v in got["verify"].items()} == {"chain-2": 3, "cpu-8": 8}
     assert all(v["ms_per_step"] > 0 for v in got["verify"].values())
+    with pytest.raises(SystemExit):  # argparse: usage and the reason, before any work
+        roofline_main([*argv[:-2], "dynamic-8"])
+    assert "roofline times static trees" in capsys.readouterr().err
 
 
 def test_rowcost_times_every_dtype_and_order(tiny_ckpt, capsys):

@@ -141,6 +141,27 @@ def test_wrong_architecture(tmp_path, capsys):
     assert "unsupported architecture 'gpt2'" in err
 
 
+def test_generation_config_adds_stop_tokens_or_names_itself(tmp_path, capsys):
+    hf_dir, _ = save_tiny(tmp_path)
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    convert(hf_dir, tmp_path / "ok")
+    assert load_checkpoint(tmp_path / "ok")[0].eos_token_ids == (2, 7)
+    (hf_dir / "generation_config.json").write_text("[1, 2]")
+    err = convert_error(capsys, hf_dir, tmp_path / "o")
+    assert "cannot read" in err and "generation_config.json" in err
+
+
+def test_hf_export_refuses_a_flag_its_family_cannot_hold():
+    import dataclasses
+
+    from jaxspec.config import preset
+
+    cfg = dataclasses.replace(preset("tiny-gqa"), sliding_window=8)  # family llama
+    with pytest.raises(JaxspecError, match="llama HF configs cannot hold sliding_window"):
+        cfg.to_hf_dict()
+    assert dataclasses.replace(cfg, family="mistral").to_hf_dict()["sliding_window"] == 8
+
+
 def test_missing_and_misshapen_keys_listed_together(tmp_path):
     from safetensors.numpy import load_file, save_file
 

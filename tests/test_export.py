@@ -15,6 +15,7 @@ from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.chimera import ChimeraSettings
 from jaxspec.drafters.firp import FirpSettings
+from jaxspec.drafters.lookup import LookupSettings
 from jaxspec.drafters.medusa import MedusaSettings
 from jaxspec.drafters.sdsat import SdsatSettings
 from jaxspec.llama import compute_params, init_params
@@ -30,6 +31,7 @@ SETTINGS = {
     "firp": FirpSettings(layers=(2, 4), chains=2),
     "chimera": ChimeraSettings(n_heads=2),
     "sdsat": SdsatSettings(rank=2),
+    "lookup": LookupSettings(),
 }
 # a chain, and a branching tree (with sampling: plain and typical acceptance)
 CASES = [

@@ -98,6 +98,28 @@ def test_logits_match_hf_over_prefill_and_cached_decode(models, family):
         assert np.abs(full[:, FAMILY_WINDOW:] - ref[:, FAMILY_WINDOW:]).max() > 1e-2
 
 
+def test_within_window_literal():
+    """Window 2: a query sees its own position and the one before (causality is the other
+    mask's job)."""
+    from jaxspec.llama import within_window
+
+    got = within_window(jnp.array([[2, 3]]), jnp.arange(4)[None], 2)
+    np.testing.assert_array_equal(got[0], [[0, 1, 1, 1], [0, 0, 1, 1]])
+
+
+def test_window_holds_across_prefill_chunks(models):
+    """Mistral's window when a long prompt is prefilled in 8-token chunks (each chunk
+    attends over the cache written before it): HF's greedy tokens, as one shot gives."""
+    from jaxspec.decode import SpeculativeGenerator
+
+    _, ckpt, model = models["mistral"]
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    prompt = np.random.default_rng(2).integers(5, VOCAB, 30).tolist()
+    one_shot = SpeculativeGenerator(cfg, params).generate(prompt, N).token_ids
+    chunked = SpeculativeGenerator(cfg, params, prefill_chunk=8).generate(prompt, N).token_ids
+    assert chunked == one_shot == hf_greedy(model, prompt)
+
+
 def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=N, do_sample=False,

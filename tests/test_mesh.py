@@ -132,7 +132,7 @@ def base_params(cfg=CFG4):
 
 
 def method_generator(
-    method: str, mesh=None, sampling=None, params=None, cfg=CFG4
+    method: str, mesh=None, sampling=None, params=None, cfg=CFG4, tree="comb-2-2"
 ) -> SpeculativeGenerator:
     """A generator of `method` with random drafter weights (losslessness does not depend
     on their quality) on `cfg`, on `mesh` or one device."""
@@ -142,13 +142,13 @@ def method_generator(
     params = base_params(cfg) if params is None else params
     if method == "ar":
         return SpeculativeGenerator(cfg, params, sampling=sampling, mesh=mesh)
-    tree = tree_preset("comb-2-2")
     drafter = make_drafter(method, cfg, SETTINGS[method])
     weights = drafter.init(base_params(cfg), jax.random.key(1))
     weights = jax.tree.map(lambda w: w + 0.05 * jnp.sin(jnp.arange(w.size).reshape(w.shape)),
                            weights)  # fmt: skip
     data = DATA.get(method, {})
     weights = drafter.prepare(params, weights, data)
+    tree = drafter.select_tree(tree, SETTINGS[method])
     drafter = drafter.for_tree(tree, SETTINGS[method], data)
     return SpeculativeGenerator(cfg, params, drafter, weights, tree, sampling, mesh=mesh)
 
@@ -161,7 +161,7 @@ def one_device_tokens(method: str, sampling=None) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "method, mesh",
-    [(m, "2x2") for m in ("ar", "medusa", "firp", "chimera", "sdsat")]
+    [(m, "2x2") for m in ("ar", "medusa", "firp", "chimera", "sdsat", "lookup")]
     + [("chimera", shape) for shape in ("1x4", "2x1")]
     + [("medusa", "1x2")],
 )
@@ -197,6 +197,16 @@ def test_each_family_on_a_mesh_gives_one_devices_tokens(family):
     assert [r.steps for r in got] == [r.steps for r in one]
     ar = method_generator("ar", cfg=cfg).generate_batch(PROMPTS, 16, seed=3)
     assert [r.token_ids for r in ar] == [r.token_ids for r in one]
+
+
+@pytest.mark.parametrize("method", ["medusa", "firp"])
+def test_dynamic_trees_on_a_mesh_give_one_devices_tokens(method):
+    """The topology chosen on device (a Draft between steps, split by rows) on 2x2."""
+    one = method_generator(method, tree="dynamic-6").generate_batch(PROMPTS, 16, seed=3)
+    mesh = make_mesh({"data": 2, "model": 2})
+    got = method_generator(method, mesh, tree="dynamic-6").generate_batch(PROMPTS, 16, seed=3)
+    assert [r.token_ids for r in got] == [r.token_ids for r in one] == one_device_tokens("ar")
+    assert [r.steps for r in got] == [r.steps for r in one]
 
 
 def test_sampling_on_a_mesh_draws_one_devices_tokens():

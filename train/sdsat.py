@@ -34,7 +34,7 @@ from jaxspec.drafters.sdsat import LORA_TARGETS, SdsatDrafter, SdsatSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache, causal_mask
 from jaxspec.llama import embed, run_layers
-from jaxspec.tree import searched_trees, tree_preset
+from jaxspec.tree import DynamicTree, searched_trees, tree_preset
 
 from . import skeleton
 from .args import parse, trainer_parser
@@ -50,10 +50,14 @@ def tree_name(text: str) -> str:
     if text in {f"searched-{n}" for n in SEARCHED_SIZES}:
         return text
     try:
-        tree_preset(text)
+        tree = tree_preset(text)
     except JaxspecError as e:
         searched = ", ".join(f"searched-{n}" for n in SEARCHED_SIZES)
         raise argparse.ArgumentTypeError(f"{e}, {searched}") from None
+    if isinstance(tree, DynamicTree):
+        raise argparse.ArgumentTypeError(
+            f"{text}: sdsat drafts fixed trees; pick chain-N, comb-D-W or searched-N"
+        )
     return text
 
 

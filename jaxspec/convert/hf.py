@@ -24,15 +24,21 @@ def read_hf_config(folder: Path) -> LlamaConfig:
         raise JaxspecError(f"{folder} has no config.json; pass an HF model folder or a .gguf file")
     try:
         cfg = LlamaConfig.from_hf_config(json.loads(file.read_text()))
-        generation = folder / "generation_config.json"
-        if generation.is_file():
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-            extra = tuple(i for i in eos if i not in cfg.eos_token_ids)
-            cfg = dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + extra)
-        return cfg
     except (ValueError, KeyError) as e:
         raise JaxspecError(f"cannot read {file}: {e!r}") from None
+    generation = folder / "generation_config.json"
+    if not generation.is_file():
+        return cfg
+    try:
+        settings = json.loads(generation.read_text())
+        eos = settings.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        extra = tuple(int(i) for i in eos if i not in cfg.eos_token_ids)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise JaxspecError(
+            f"cannot read {generation}: {e!r}; fix or remove it (it adds stop tokens)"
+        ) from None
+    return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + extra)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
