@@ -1,4 +1,7 @@
-"""The generic speculative decoding loop: any drafter, any static tree; AR is the empty tree.
+"""The generic speculative decoding loop: any drafter, any tree; AR is the empty tree.
+
+Candidates: [B,T-1] tokens for a static tree, a topology.Draft (tokens, parents, depths)
+for a dynamic one; the step reads the tree's shape from either (topology.tree_topology).
 
 Each step is one compiled program: forward the tree [root = the newest token ; drafted
 candidates] against the cache with the tree mask and depth positions, accept a path, and
@@ -261,7 +264,8 @@ def redraft(params, drafter_params, cache: KVCache, current, *, tree, drafter):
 
 
 class SpeculativeGenerator:
-    """Generation with a drafter and a static tree, one prompt or a batch.
+    """Generation with a drafter and a tree (static, or chosen every step), one prompt or
+    a batch.
 
     Executables are compiled ahead of time per (prompt bucket, cache length), so timings
     exclude compilation and steps never recompile.

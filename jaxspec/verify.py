@@ -1,9 +1,12 @@
-"""Tree verification: one forward over the draft tree, then acceptance.
+"""Tree verification: one forward over the draft tree, then acceptance, reading the tree's
+topology as per-row arrays (jaxspec.topology: a static tree's constants or a dynamic
+tree's choice).
 
-Greedy: the longest root-to-leaf path whose drafted tokens each equal the model's argmax
-at their parent, plus the model's own next token after it (the bonus).
+Greedy: the longest path from the root (among the topology's paths: a static tree's
+root-to-leaf paths, a path to every node of a dynamic one) whose drafted tokens each equal
+the model's argmax at their parent, plus the model's own next token after it (the bonus).
 
-Sampling (lossless): from the root, the children's drafted tokens are tried in rank order
+Sampling (lossless): from the root, the children's drafted tokens are tried best first
 against the model's warped distribution p at the current node: a child with token t is
 accepted with probability r(t) / sum(r), where r is p with the tokens already rejected
 at this node removed; on acceptance the walk moves to that child, otherwise t is removed

@@ -89,7 +89,8 @@ class Drafter:
     `check_tree(tree)`: raise JaxspecError if the drafter cannot fill this tree.
     `run_model(...)`: the model's forward; drafters that draft inside it (FIRP) override it.
     `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
-    the token for every non-root tree node.
+    the token for every non-root tree node (for a dynamic tree: a topology.Draft, the
+    nodes it chose with their tokens).
     Drafters with their own memory across steps (Chimera's encoder cache) override
     `init_state` and `advance`: the state is created once per generation (it may start from
     the drafter params, e.g. a pre-filled table), updated from `inputs.entered` before every
