@@ -69,6 +69,12 @@ def parse_args(argv=None):
         "node; default: the drafter's setting)",
     )
     p.add_argument(
+        "--retrieval",
+        type=positive_int,
+        help="medusa, firp with a dynamic-N tree: N-node budget shared with this many "
+        "continuations found in the prompt and output (lookup's), scored by the drafter",
+    )
+    p.add_argument(
         "--sdsat-loop",
         choices=SDSAT_LOOPS,
         help="sdsat: the paper's draft step then verify step (two forwards a loop), or "
@@ -125,6 +131,7 @@ def _generate(args, prompts: list[str]) -> None:
         args.method, drafter=args.drafter, tree=args.tree,
         max_len=args.max_len, products=args.products, chat=not args.no_chat, ppd_k=args.ppd_k,
         ppd_layer=args.ppd_layer, firp_chains=args.firp_chains, sdsat_loop=args.sdsat_loop,
+        retrieval=args.retrieval,
     )  # fmt: skip
     weight_bytes = generator.model.bytes_per_device()
     sampling = dict(

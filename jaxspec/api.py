@@ -35,8 +35,9 @@ class Generator:
     one the drafter ships (None: the method's default for this backend); max_len: cache
     length limit (None: the model's context); products: how bfloat16 weights multiply,
     "exact" (default), "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS). ppd_k /
-    ppd_layer, firp_chains and sdsat_loop are those methods' options (see
-    `jaxspec-generate --help`). PPD pipelines over ppd_k + 1 devices; with fewer (a CPU
+    ppd_layer, firp_chains, sdsat_loop and retrieval (medusa and firp with a dynamic tree:
+    that many of lookup's continuations join its candidates) are those methods' options
+    (see `jaxspec-generate --help`). PPD pipelines over ppd_k + 1 devices; with fewer (a CPU
     process has one unless XLA_FLAGS=--xla_force_host_platform_device_count=4 is set before
     jax starts; `import jaxspec` does not start it) its sub-processes share them: the same
     tokens, without the parallel speedup, and a warning says so. A PPD step is one token:
@@ -56,13 +57,14 @@ class Generator:
         ppd_layer: int | None = None,
         firp_chains: int | None = None,
         sdsat_loop: str | None = None,
+        retrieval: int | None = None,
     ):
         registry.method(method)
         self.model, self.method, self.chat = model, method, chat
         self._options = dict(
             drafter_dir=Path(drafter) if drafter is not None else None, tree=tree,
             max_len=max_len, products=products, ppd_k=ppd_k, ppd_layer=ppd_layer,
-            firp_chains=firp_chains, sdsat_loop=sdsat_loop,
+            firp_chains=firp_chains, sdsat_loop=sdsat_loop, retrieval=retrieval,
         )  # fmt: skip
         self._built: dict[Sampling, object] = {}
         self._decoder(Sampling())  # a bad drafter, tree or option fails here, not later

@@ -10,6 +10,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.base import default_tree, resolve_tree
 from jaxspec.drafters.registry import METHODS, SDSAT_LOOPS, check_options, method
+from jaxspec.drafters.retrieval import RetrievalDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
 from jaxspec.models import LoadedModel
@@ -129,12 +130,15 @@ def build_speculative(
 
     drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
     settings, drafter_params, data = load_drafter(drafter_dir, m.name, model.cfg)
+    retrieval = options.pop("retrieval", 0)
     drafter = m.drafter_class().from_settings(model.cfg, settings, **options)
     check_weights(drafter, model.params, drafter_params, drafter_dir)
     drafter_params = compute_params(drafter_params, model.weight_dtype)
     drafter_params = drafter.prepare(model.params, drafter_params, data)
     spec = drafter.select_tree(tree, settings)
     drafter = drafter.for_tree(spec, settings, data, **options)
+    if retrieval:  # lookup's continuations join the dynamic tree's candidates
+        drafter = RetrievalDrafter(drafter, retrieval)
     return SpeculativeGenerator(
         model.cfg, model.params, drafter, drafter_params, spec, sampling, max_len,
         products=products, mesh=model.mesh,
@@ -154,7 +158,7 @@ def build_generator(
     """The generator of method `name`: drafter_dir None is the shipped drafter, tree None
     the drafter's default; products: how bfloat16 weights multiply (decode.PRODUCTS);
     options are the method's own (`registry.Method.options`: ppd_k, ppd_layer, firp_chains,
-    sdsat_loop), None meaning its default."""
+    sdsat_loop, retrieval), None meaning its default."""
     m = method(name)
     check_options(m, tree, drafter_dir, **options)
     if sampling is not None:

@@ -82,30 +82,42 @@ def tree_topology(current: jax.Array, candidates, tree) -> tuple[jax.Array, Topo
     return tokens, parent_topology(parent, depth, tree.max_depth, tree.width)
 
 
-def select_nodes(logits: jax.Array, tree: DynamicTree) -> Draft:
+def select_nodes(logits: jax.Array, tree: DynamicTree, extra: jax.Array | None = None) -> Draft:
     """Per-depth guesses logits [B,K,V] (K >= depth; guesses at depth d do not depend on
     the path, as Medusa heads' and FIRP's) -> the N nodes of highest path probability (the
     product of the drafter's probabilities along the path) among the paths of top-`width`
-    guesses up to tree.max_depth. Depth by depth only the N best of each depth can have
-    chosen children, so each depth keeps its N best; then the N best of all depths are the
-    tree (a path's probability never exceeds its parent's: ties go to the shallower,
-    earlier node, so every chosen node's parent is chosen)."""
+    guesses up to tree.max_depth, and the paths of `extra` [B,X,D] token chains (retrieved
+    continuations, -1 where unknown), scored by the same probabilities.
+
+    Depth by depth only the N best of each depth can have chosen children, so each depth
+    keeps its N best; then the N best of all are the tree (a path's probability never
+    exceeds its parent's: ties go to the earlier node, parents before children, so every
+    chosen node's parent is chosen). An extra chain's node that repeats a path already
+    there is left out, and its chain continues from that path's node."""
     B, N, D, k = logits.shape[0], tree.n_nodes - 1, tree.max_depth, tree.width
     logp = jax.nn.log_softmax(logits[:, :D].astype(jnp.float32), axis=-1)
     guess_lp, guess = jax.lax.top_k(logp, k)  # [B,D,k]
     score, rank = jax.lax.top_k(guess_lp[:, 0], min(N, k))  # depth 1
-    scores, tokens = [score], [jnp.take_along_axis(guess[:, 0], rank, axis=1)]
+    token = jnp.take_along_axis(guess[:, 0], rank, axis=1)
+    path = jnp.full((*token.shape, D), -1, jnp.int32).at[..., 0].set(token)  # [B,M,D]
+    scores, tokens, paths = [score], [token], [path]
     parents, depths, offset = [jnp.full_like(rank, -1)], [jnp.ones_like(rank)], 0
     for d in range(1, D):
         M = score.shape[1]
         grown = (score[:, :, None] + guess_lp[:, d][:, None, :]).reshape(B, M * k)
         score, index = jax.lax.top_k(grown, min(N, M * k))
-        tokens.append(jnp.take_along_axis(guess[:, d], index % k, axis=1))
+        token = jnp.take_along_axis(guess[:, d], index % k, axis=1)
+        path = jnp.take_along_axis(path, (index // k)[..., None], axis=1).at[..., d].set(token)
+        tokens.append(token)
+        paths.append(path)
         parents.append(offset + index // k)  # into the pool
         depths.append(jnp.full_like(index, d + 1))
         scores.append(score)
         offset += M
     pool = [jnp.concatenate(x, axis=1) for x in (scores, tokens, parents, depths)]
+    if extra is not None:
+        pool = [jnp.concatenate(x, axis=1) for x in zip(pool, _chain_nodes(
+            logp, extra, jnp.concatenate(paths, axis=1)), strict=True)]  # fmt: skip
     _, chosen = jax.lax.top_k(pool[0], N)  # [B,N] best first: parents before children
     node_of = jnp.zeros_like(pool[0], jnp.int32)  # pool index -> node index (0: not chosen)
     node_of = node_of.at[jnp.arange(B)[:, None], chosen].set(jnp.arange(1, N + 1))
@@ -115,3 +127,34 @@ def select_nodes(logits: jax.Array, tree: DynamicTree) -> Draft:
         parent_pool >= 0, jnp.take_along_axis(node_of, jnp.maximum(parent_pool, 0), axis=1), 0
     )
     return Draft(pick(pool[1]).astype(jnp.int32), parent.astype(jnp.int32), pick(pool[3]))
+
+
+def _chain_nodes(logp: jax.Array, chains: jax.Array, known: jax.Array):
+    """Extra chains [B,X,D] (-1 unknown) beside the guessed nodes' paths known [B,P,D]
+    (-1 past each node's depth) -> pool entries of the chains' nodes, x-major then by
+    depth: (scores, tokens, parents, depths), each [B,X*D]. A node whose path is known
+    already, or is an earlier chain's, gets score -inf; the next node of its chain hangs
+    from that path's node; so does one after an unknown token (-inf too)."""
+    B, X, D = chains.shape
+    P = known.shape[1]
+    depth = jnp.arange(D)
+    lp = jnp.take_along_axis(logp, jnp.maximum(chains, 0).transpose(0, 2, 1), axis=2)  # [B,D,X]
+    lp = jnp.where(chains.transpose(0, 2, 1) >= 0, lp, -jnp.inf)
+    score = jnp.cumsum(lp, axis=1).transpose(0, 2, 1)  # [B,X,D]
+    upto = depth[:, None] >= depth[None, :]  # [d,j]: token j is on the path of depth d
+    own = jnp.where(upto, chains[:, :, None, :], -1).reshape(B, X * D, D)  # each node's path
+    same_known = jnp.all(own[:, :, None] == known[:, None], axis=-1)  # [B,X*D,P]
+    same_chain = jnp.all(own[:, :, None] == own[:, None], axis=-1)  # [B,X*D,X*D]
+    earlier = jnp.arange(X * D)[:, None] > jnp.arange(X * D)[None]
+    in_known = same_known.any(-1)
+    repeat = in_known | jnp.any(same_chain & earlier, axis=-1)
+    # each chain node's place in the pool: the known node, the first chain with its path,
+    # or itself
+    first_chain = jnp.argmax(same_chain, axis=-1)  # the earliest equal (itself at least)
+    place = jnp.where(in_known, jnp.argmax(same_known, axis=-1), P + first_chain)
+    place = place.reshape(B, X, D)
+    parent = jnp.concatenate([jnp.full((B, X, 1), -1), place[:, :, :-1]], axis=2)
+    score = jnp.where(repeat.reshape(B, X, D), -jnp.inf, score)
+    flat = lambda x: x.reshape(B, X * D)  # noqa: E731
+    depths = jnp.broadcast_to(depth + 1, (B, X, D))
+    return flat(score), flat(jnp.maximum(chains, 0)), flat(parent), flat(depths)

@@ -132,3 +132,81 @@ def test_tree_topology_of_a_draft_is_the_drafts():
         expected = np.asarray(topo.mask[0, parent[n]]).copy()
         expected[n] = True
         np.testing.assert_array_equal(topo.mask[0, n], expected)
+
+
+def chosen_paths(draft, b: int) -> list[tuple[int, ...]]:
+    """Each chosen node's token path from the root (row b)."""
+    parent, tokens = np.asarray(draft.parent[b]), np.asarray(draft.tokens[b])
+    paths = {0: ()}
+    for n in range(1, len(tokens) + 1):
+        paths[n] = paths[int(parent[n - 1])] + (int(tokens[n - 1]),)
+    return [paths[n] for n in range(1, len(tokens) + 1)]
+
+
+def test_a_retrieved_chain_wins_nodes_by_the_drafters_own_scores():
+    """Top-1 guesses alone give 1 and 1 -> 5; the retrieved 2 (almost as likely as 1 at
+    depth 1) beats 1 -> 5, so a 3-node tree takes it; an unknown token adds nothing."""
+    logits = jnp.full((1, 2, 8), -9.0)
+    logits = logits.at[0, 0, 1].set(3.0).at[0, 0, 2].set(2.9)  # depth 1: 1, 2 close behind
+    logits = logits.at[0, 1, 5].set(1.0).at[0, 1, 6].set(0.9)  # depth 2: 5, 6 close behind
+    tree = DynamicTree(3, 2, 1)
+    assert chosen_paths(select_nodes(logits, tree), 0) == [(1,), (1, 5)]
+    chains = jnp.array([[[2, 5], [-1, -1]]])  # [B,X,D]
+    assert chosen_paths(select_nodes(logits, tree, chains), 0) == [(1,), (2,)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chosen_nodes_are_the_best_of_guesses_and_retrieved_paths(seed):
+    """Random guesses and chains (one repeating a guessed path): the chosen paths are
+    distinct, each a guessed path or a chain's prefix, and the N best of their union by
+    the drafter's path probability."""
+    N, D, k, V = 9, 3, 2, 6
+    key = jax.random.key(seed)
+    logits = 2.0 * jax.random.normal(key, (1, D, V))
+    logp = np.asarray(jax.nn.log_softmax(logits, -1))[0]
+    top = np.argsort(-logp, axis=-1)[:, :k]
+    chains = np.array(jax.random.randint(jax.random.fold_in(key, 1), (1, 3, D), 0, V))
+    chains[0, 0] = top[np.arange(D), 0]  # the best guessed path, retrieved again
+    chains[0, 2, 1:] = -1  # known only one token ahead
+    draft = select_nodes(logits, DynamicTree(N + 1, D, k), jnp.asarray(chains))
+    paths = chosen_paths(draft, 0)
+    assert len(set(paths)) == N
+
+    def score(path):
+        return sum(logp[d, t] for d, t in enumerate(path))
+
+    guessed = {tuple(top[d, r] for d, r in enumerate(ranks)) for n in range(1, D + 1)
+               for ranks in itertools.product(range(k), repeat=n)}  # fmt: skip
+    prefixes = [tuple(c[: n + 1]) for c in chains[0].tolist() for n in range(D)]
+    retrieved = {p for p in prefixes if -1 not in p}
+    union = guessed | retrieved
+    assert set(paths) <= union
+    best = sorted((score(p) for p in union), reverse=True)[:N]
+    np.testing.assert_allclose(sorted(map(score, paths), reverse=True), best, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["medusa", "firp"])
+def test_retrieval_candidates_decode_ars_tokens(model, drafters, method):
+    prompts = ["w5 w9 w7 w11 w5 w9 w7 w11 w5 w9", "w8 w8 w8"]
+    ar = jaxspec.Generator(model).generate(prompts, max_new_tokens=16)
+    gen = jaxspec.Generator(model, method, drafter=drafters / method, tree="dynamic-8",
+                            retrieval=2)  # fmt: skip
+    got = gen.generate(prompts, max_new_tokens=16)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+
+
+def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_guesses(model, drafters):
+    from jaxspec.drafters.registry import parse_row
+
+    with pytest.raises(JaxspecError, match="retrieval candidates join dynamic trees"):
+        jaxspec.Generator(model, "medusa", drafter=drafters / "medusa", tree="cpu-8",
+                          retrieval=2)  # fmt: skip
+    with pytest.raises(JaxspecError, match="--retrieval applies to --method medusa, firp"):
+        jaxspec.Generator(model, "chimera", drafter=drafters / "chimera", retrieval=2)
+    assert parse_row("medusa@dynamic-16+2:bfloat16") == (
+        "medusa",
+        {"tree": "dynamic-16", "retrieval": 2},
+        "bfloat16",
+    )
+    with pytest.raises(JaxspecError, match=r"\+R .* applies to medusa, firp rows"):
+        parse_row("chimera+2")

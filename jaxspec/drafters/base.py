@@ -139,6 +139,11 @@ class Drafter:
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
         raise NotImplementedError
 
+    def guesses(self, params, drafter_params, tree, inputs: DraftInputs) -> jax.Array:
+        """Drafters with a `draft_depth`: per-depth guess logits [B,K,V] at the accepted
+        node, which `propose` turns into candidates (tree_candidates)."""
+        raise NotImplementedError
+
     def draft_from_cache(self, params, drafter_params, cache: KVCache, current, tree: TreeSpec):
         """cache: committed up to `current` [B] (the next root, not in it) -> candidates
         [B,T-1]. Used when `drafts_from_cache`; must not depend on random draws (the lossless

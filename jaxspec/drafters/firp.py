@@ -180,13 +180,16 @@ class FirpDrafter(Drafter):
             pseudo = pseudo[:, slot[:, None], step]  # [B,T,K,D]
         return h[:, :T], KVBlock(tuple(keys), tuple(values)), states, pseudo
 
+    def guesses(self, params, drafter_params, tree, inputs) -> jax.Array:
+        """The pseudo chain's logits [B,d,V] at the accepted node (d = the tree's depth)."""
+        if inputs.draft_logits is not None:  # the step projected the chains already
+            return inputs.draft_logits
+        return lm_logits(params, self.cfg, inputs.drafted[:, : tree.max_depth])
+
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
-        logits = inputs.draft_logits  # [B,d,V] when the step projected the chains already
-        if logits is None:
-            logits = lm_logits(params, self.cfg, inputs.drafted[:, : tree.max_depth])
-        return tree_candidates(logits, tree)
+        return tree_candidates(self.guesses(params, drafter_params, tree, inputs), tree)
 
     def projected_rows(self, params, drafter_params, h, drafted, depth):
         """Every node's pseudo chain, normed: [B,T,K,D]."""

@@ -92,11 +92,14 @@ class MedusaDrafter(Drafter):
                 "pick a shallower tree"
             )
 
+    def guesses(self, params, drafter_params, tree, inputs) -> jax.Array:
+        """The heads' logits [B,d,V] at the accepted node (d = the tree's depth)."""
+        if inputs.draft_logits is not None:  # the step projected the heads already
+            return inputs.draft_logits
+        hidden = inputs.hidden[self.cfg.n_layers]
+        return self.head_logits(params, drafter_params, hidden, tree.max_depth)
+
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
-        logits = inputs.draft_logits  # [B,d,V] when the step projected the heads already
-        if logits is None:
-            hidden = inputs.hidden[self.cfg.n_layers]
-            logits = self.head_logits(params, drafter_params, hidden, tree.max_depth)
-        return tree_candidates(logits, tree)
+        return tree_candidates(self.guesses(params, drafter_params, tree, inputs), tree)

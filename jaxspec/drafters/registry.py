@@ -29,6 +29,10 @@ ROW_VALUES = {
         lambda t: t if t in SDSAT_LOOPS else None,
     ),  # noqa: E501
     "ppd_layer": ("@LAYER (the early-prediction layer, a number)", lambda t: _count(t, 1)),
+    "retrieval": (
+        "+R (R >= 1 retrieved continuations joining a dynamic tree)",
+        lambda t: _count(t, 1),
+    ),  # fmt: skip
 }
 
 
@@ -66,8 +70,8 @@ REGISTRY = {
     m.name: m
     for m in (
         Method("ar", "jaxspec.methods:build_ar"),
-        _speculative("medusa", "Medusa"),
-        _speculative("firp", "Firp", ("firp_chains",), "firp_chains"),
+        _speculative("medusa", "Medusa", ("retrieval",)),
+        _speculative("firp", "Firp", ("firp_chains", "retrieval"), "firp_chains"),
         _speculative("chimera", "Chimera"),
         _speculative("sdsat", "Sdsat", ("sdsat_loop",), "sdsat_loop"),
         Method(
@@ -114,8 +118,9 @@ def check_options(m: Method, tree=None, drafter=None, **options) -> None:
 
 
 def parse_row(row: str) -> tuple[str, dict, str]:
-    """A bench row METHOD[@X][/Y][:DTYPE] -> (method, its options, dtype or "")."""
+    """A bench row METHOD[@X][/Y][+R][:DTYPE] -> (method, its options, dtype or "")."""
     spec, _, dtype = row.partition(":")
+    spec, plus, chains = spec.partition("+")
     spec, slash, extra = spec.partition("/")
     name, at, option = spec.partition("@")
     m = method(name)
@@ -127,7 +132,12 @@ def parse_row(row: str) -> tuple[str, dict, str]:
         raise JaxspecError(
             f"{row}: " + "; ".join(f"{ROW_VALUES[o][0]} applies to {n} rows only" for o, n in takes)
         )
-    for given, text, target in ((at, option, m.row_at), (slash, extra, m.row_slash)):
+    if plus and "retrieval" not in m.options:
+        raise JaxspecError(
+            f"{row}: {ROW_VALUES['retrieval'][0]} applies to {owners('retrieval')} rows"
+        )
+    targets = ((at, option, m.row_at), (slash, extra, m.row_slash), (plus, chains, "retrieval"))
+    for given, text, target in targets:
         if given:
             value = ROW_VALUES[target][1](text)
             if value is None:
