@@ -95,8 +95,12 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: jax.Array | None =
     chosen node's parent is chosen). An extra chain's node that repeats a path already
     there is left out, and its chain continues from that path's node."""
     B, N, D, k = logits.shape[0], tree.n_nodes - 1, tree.max_depth, tree.width
-    logp = jax.nn.log_softmax(logits[:, :D].astype(jnp.float32), axis=-1)
-    guess_lp, guess = jax.lax.top_k(logp, k)  # [B,D,k]
+    logits = logits[:, :D].astype(jnp.float32)
+    norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B,D,1]
+    # The barrier keeps this TopK a TopK: with the later ones in the same program, XLA:CPU
+    # otherwise rewrites it into a full sort of the vocabulary (~10 ms a depth at V=49k).
+    guess_lp, guess = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))  # [B,D,k]
+    guess_lp = guess_lp - norm  # log probabilities of the guesses
     score, rank = jax.lax.top_k(guess_lp[:, 0], min(N, k))  # depth 1
     token = jnp.take_along_axis(guess[:, 0], rank, axis=1)
     path = jnp.full((*token.shape, D), -1, jnp.int32).at[..., 0].set(token)  # [B,M,D]
@@ -117,7 +121,7 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: jax.Array | None =
     pool = [jnp.concatenate(x, axis=1) for x in (scores, tokens, parents, depths)]
     if extra is not None:
         pool = [jnp.concatenate(x, axis=1) for x in zip(pool, _chain_nodes(
-            logp, extra, jnp.concatenate(paths, axis=1)), strict=True)]  # fmt: skip
+            logits, norm, extra, jnp.concatenate(paths, axis=1)), strict=True)]  # fmt: skip
     _, chosen = jax.lax.top_k(pool[0], N)  # [B,N] best first: parents before children
     node_of = jnp.zeros_like(pool[0], jnp.int32)  # pool index -> node index (0: not chosen)
     node_of = node_of.at[jnp.arange(B)[:, None], chosen].set(jnp.arange(1, N + 1))
@@ -129,8 +133,9 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: jax.Array | None =
     return Draft(pick(pool[1]).astype(jnp.int32), parent.astype(jnp.int32), pick(pool[3]))
 
 
-def _chain_nodes(logp: jax.Array, chains: jax.Array, known: jax.Array):
-    """Extra chains [B,X,D] (-1 unknown) beside the guessed nodes' paths known [B,P,D]
+def _chain_nodes(logits: jax.Array, norm: jax.Array, chains: jax.Array, known: jax.Array):
+    """Extra chains [B,X,D] (-1 unknown), scored by logits [B,D,V] - norm [B,D,1], beside
+    the guessed nodes' paths known [B,P,D]
     (-1 past each node's depth) -> pool entries of the chains' nodes, x-major then by
     depth: (scores, tokens, parents, depths), each [B,X*D]. A node whose path is known
     already, or is an earlier chain's, gets score -inf; the next node of its chain hangs
@@ -138,7 +143,8 @@ def _chain_nodes(logp: jax.Array, chains: jax.Array, known: jax.Array):
     B, X, D = chains.shape
     P = known.shape[1]
     depth = jnp.arange(D)
-    lp = jnp.take_along_axis(logp, jnp.maximum(chains, 0).transpose(0, 2, 1), axis=2)  # [B,D,X]
+    at = jnp.maximum(chains, 0).transpose(0, 2, 1)  # [B,D,X]
+    lp = jnp.take_along_axis(logits, at, axis=2) - norm
     lp = jnp.where(chains.transpose(0, 2, 1) >= 0, lp, -jnp.inf)
     score = jnp.cumsum(lp, axis=1).transpose(0, 2, 1)  # [B,X,D]
     upto = depth[:, None] >= depth[None, :]  # [d,j]: token j is on the path of depth d
