@@ -23,8 +23,10 @@ model: setup
 demo: model
 	$(PY) -m infer.demo "$(PROMPT)"
 
+# Two pytest workers: compilation and Python are single-threaded, so two processes keep
+# both cores of the development machine busy.
 test: model
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -n 2 -m "not slow and not gpu"
 
 test-slow: model
 	$(PY) -m pytest -q -m "slow"

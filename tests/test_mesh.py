@@ -173,20 +173,18 @@ def test_every_method_on_a_mesh_gives_one_devices_tokens(method, mesh):
     assert got == one_device_tokens(method)
 
 
-# The families' differences on CFG4: q/k/v biases split with their heads, per-head q/k norms
-# (head_dim 12, not dim / heads) replicated, a window shorter than prompt + new tokens.
-FAMILY_CFGS = {
-    "qwen2": dataclasses.replace(CFG4, family="qwen2", qkv_bias=True),
-    "qwen3": dataclasses.replace(CFG4, family="qwen3", qk_norm=True, head_dim=12),
-    "mistral": dataclasses.replace(CFG4, family="mistral", sliding_window=8),
-}
+# Every family's difference on CFG4 at once: q/k/v biases (Qwen2) split with their heads,
+# per-head q/k norms (Qwen3; head_dim 12, not dim / heads) replicated, a window (Mistral)
+# shorter than prompt + new tokens.
+FAMILIES_CFG = dataclasses.replace(
+    CFG4, qkv_bias=True, qk_norm=True, head_dim=12, sliding_window=8, name="tiny-families"
+)
 
 
-@pytest.mark.parametrize("family", list(FAMILY_CFGS))
-def test_each_family_on_a_mesh_gives_one_devices_tokens(family):
-    """Chimera (its encoder a copy of a decoder layer, with the family's biases or norms) on
-    a 2x2 mesh gives one device's tokens, rows split over data, heads over model."""
-    cfg = FAMILY_CFGS[family]
+def test_the_families_on_a_mesh_give_one_devices_tokens():
+    """Chimera (its encoder a copy of a decoder layer, with the biases and norms) on a 2x2
+    mesh gives one device's tokens, rows split over data, heads over model."""
+    cfg = FAMILIES_CFG
     layer = param_specs(cfg)["layers"][0]
     assert all(layer[n] == P("model") for n in ("q_bias", "k_bias", "v_bias") if n in layer)
     assert all(layer[n] == P(None) for n in ("q_norm", "k_norm") if n in layer)
