@@ -98,9 +98,10 @@ def test_table_is_well_formed():
     for p in param_table.TABLE:
         assert len(p.dims) == len(p.axes), p.name
         assert all(f in param_table.LETTERS for d in p.dims for f in d.split("*")), p.name
-        assert p.init in ("normal", "ones"), p.name
-        assert p.absent_if is None or p.absent_if in fields, p.name
-        assert p.init == "normal" or len(p.dims) == 1, p.name  # norms are vectors
+        assert p.init in ("normal", "ones", "zeros"), p.name
+        for flag in (p.absent_if, p.present_if):
+            assert flag is None or flag in fields, p.name
+        assert p.init == "normal" or len(p.dims) == 1, p.name  # norms and biases are vectors
     per_layer_weights = [p.name for p in param_table.TABLE if p.per_layer and p.init == "normal"]
     assert per_layer_weights == list(LINEAR_NAMES)
 
