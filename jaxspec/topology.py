@@ -122,15 +122,24 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: jax.Array | None =
     if extra is not None:
         pool = [jnp.concatenate(x, axis=1) for x in zip(pool, _chain_nodes(
             logits, norm, extra, jnp.concatenate(paths, axis=1)), strict=True)]  # fmt: skip
-    _, chosen = jax.lax.top_k(pool[0], N)  # [B,N] best first: parents before children
-    node_of = jnp.zeros_like(pool[0], jnp.int32)  # pool index -> node index (0: not chosen)
-    node_of = node_of.at[jnp.arange(B)[:, None], chosen].set(jnp.arange(1, N + 1))
+    return best_of_pool(*pool, N)
+
+
+def best_of_pool(score, token, parent, depth, n: int) -> Draft:
+    """Candidate nodes, each [B,M]: score (log path probability), token, parent (its index
+    in the pool, -1 the root; a parent before its children) and depth -> the Draft of the
+    n best. A node's score never exceeds its parent's and ties go to the earlier one, so
+    every chosen node's parent is chosen (best first: parents before children)."""
+    B = score.shape[0]
+    _, chosen = jax.lax.top_k(score, n)  # [B,n]
+    node_of = jnp.zeros_like(score, jnp.int32)  # pool index -> node index (0: not chosen)
+    node_of = node_of.at[jnp.arange(B)[:, None], chosen].set(jnp.arange(1, n + 1))
     pick = lambda x: jnp.take_along_axis(x, chosen, axis=1)  # noqa: E731
-    parent_pool = pick(pool[2])
-    parent = jnp.where(
+    parent_pool = pick(parent)
+    node_parent = jnp.where(
         parent_pool >= 0, jnp.take_along_axis(node_of, jnp.maximum(parent_pool, 0), axis=1), 0
     )
-    return Draft(pick(pool[1]).astype(jnp.int32), parent.astype(jnp.int32), pick(pool[3]))
+    return Draft(pick(token).astype(jnp.int32), node_parent.astype(jnp.int32), pick(depth))
 
 
 def _chain_nodes(logits: jax.Array, norm: jax.Array, chains: jax.Array, known: jax.Array):

@@ -18,6 +18,7 @@ import pytest
 import jaxspec
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.drafters.chimera import ChimeraSettings
+from jaxspec.drafters.eagle import EagleSettings
 from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaSettings
 from jaxspec.drafters.sdsat import SdsatSettings
@@ -39,6 +40,7 @@ SETTINGS = {
     "firp": FirpSettings(layers=(1, 2)),
     "chimera": ChimeraSettings(n_heads=2),
     "sdsat": SdsatSettings(rank=2),
+    "eagle": EagleSettings(layers=(1, 1, 2), depth=3),
 }
 PUBLIC = ["load_model", "load_drafter", "Generator", "GenerationResult", "TreeSpec", "Sampling",
           "JaxspecError", "METHODS"]  # fmt: skip

@@ -9,7 +9,7 @@ from jaxspec.errors import JaxspecError
 
 # the methods, each trained by main(argv) of this package's module of that name (imported
 # only when chosen)
-TRAINERS = ("medusa", "firp", "chimera", "sdsat", "ppd")
+TRAINERS = ("medusa", "firp", "chimera", "sdsat", "ppd", "eagle")
 
 
 def _main(argv) -> None:

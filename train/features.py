@@ -116,3 +116,41 @@ def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_
     name = f"features-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     reuse = _siblings(root, "features-self", split, prompt_len, new_tokens)
     return extract_sequences(model, answers, root / name, reuse=reuse)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layers"))
+def _layer_states(params, tokens, *, cfg, layers):
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    _, _, states = run_layers(
+        params, cfg, embed(params, tokens), positions, None, causal_mask(B, T), collect=layers
+    )
+    predicted = jnp.argmax(lm_logits(params, cfg, states[cfg.n_layers]), -1).astype(jnp.int32)
+    return jnp.stack([states[n] for n in layers], axis=2).astype(jnp.float16), predicted
+
+
+def layer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
+                   layers: tuple[int, ...], batch: int = 4) -> dict:  # fmt: skip
+    """self_answers(...) + "states" [N,T,L,D] float16: the states after each of `layers`
+    (layer counts, the last layer added: "layers" [L] names them) at every position, and
+    "predicted" [N,T] the model's greedy next token; cached beside the answers."""
+    answers = self_answers(model, root, split, n, prompt_len, new_tokens)
+    tag = "-".join(map(str, layers))
+    out = root / f"states-{tag}-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    if out.is_file():
+        return load_npz(out)
+    layers = tuple(sorted(set(layers) | {model.cfg.n_layers}))
+    tokens = answers["tokens"]
+    states = np.zeros((*tokens.shape, len(layers), model.cfg.dim), np.float16)
+    predicted = np.zeros_like(tokens)
+    for start in tqdm(range(0, len(tokens), batch), desc=f"states {out.stem}", unit="batch"):
+        chunk = tokens[start : start + batch]
+        pad = batch - len(chunk)
+        h, p = _layer_states(model.params, np.pad(chunk, ((0, pad), (0, 0))), cfg=model.cfg,
+                             layers=layers)  # fmt: skip
+        states[start : start + len(chunk)] = np.asarray(h)[: len(chunk)]
+        predicted[start : start + len(chunk)] = np.asarray(p)[: len(chunk)]
+    data = {**answers, "states": states, "layers": np.asarray(layers, np.int32),
+            "predicted": predicted}  # fmt: skip
+    save_npz(out, data)
+    return data

@@ -73,6 +73,7 @@ REGISTRY = {
         _speculative("medusa", "Medusa", ("retrieval",)),
         _speculative("firp", "Firp", ("firp_chains", "retrieval"), "firp_chains"),
         _speculative("chimera", "Chimera"),
+        _speculative("eagle", "Eagle"),
         _speculative("sdsat", "Sdsat", ("sdsat_loop",), "sdsat_loop"),
         Method(
             "lookup",

@@ -1,0 +1,360 @@
+"""EAGLE-class drafter: one decoder layer drafting autoregressively at the feature level
+(EAGLE-3's inputs and training, EAGLE-2's dynamic trees).
+
+An *entry* of the layer is a token position i with two inputs: the token x_i's embedding
+and a feature f_i [D]. For a committed token f_i fuses the model's states at the position
+before, f_i = Linear(3D->D)([h^low_{i-1} ; h^mid_{i-1} ; h^high_{i-1}]) (EAGLE-3's low,
+middle and high layers, `layers`); for a drafted token it is the layer's own output at its
+parent's entry. The entry's input x_i = Linear(2D->D)([norm(e_i) ; norm(f_i)]) runs through
+one Llama decoder block (initialised from the model's last block) at rotary position i,
+attending to the committed entries (the drafter's own KV cache, one layer) and to the
+entries of its drafted ancestors. Its output y_i, through the drafter's final norm and the
+model's frozen lm_head (restricted to a draft vocabulary when the folder ships one), guesses
+x_{i+1}, and is the feature of x_{i+1}'s entry when x_{i+1} is drafted.
+
+Generation: when tokens enter the model's cache (prefill, or a verify step's accepted path)
+the entries up to the new root x_p are written to the drafter's cache (`advance`; entry p
+needs h_{p-1}, so it is written in the round that computes it) and the root entry's output
+is kept (`EagleState.newest`). Drafting expands nodes depth by depth, one block call per
+depth over that depth's expanded nodes:
+- a static tree expands its nodes with children; child of rank r = the parent's rank-r guess;
+- a dynamic tree (EAGLE-2) keeps a frontier of the `width` best nodes by path probability
+  (the product of the drafter's probabilities along the path), expands it, and the tree is
+  the N best nodes of everything scored (`topology.best_of_pool`).
+
+Training (train/eagle.py) is EAGLE-3's training-time test: step k feeds every position the
+layer's step-(k-1) output as its feature and attends as a depth-(k-1) node would
+(`training_outputs`), so the drafter learns from its own features, not only the model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import LlamaConfig
+from jaxspec.drafters.base import Drafter, DraftInputs
+from jaxspec.drafters.settings import DrafterSettings
+from jaxspec.errors import JaxspecError
+from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
+from jaxspec.llama import decoder_layer, embed, vocab_projection
+from jaxspec.topology import Draft, best_of_pool
+from jaxspec.tree import DynamicTree, TreeSpec
+
+# Cache slots past the model's cache length (an entry is written at its token's position).
+SPARE_SLOTS = 2
+DEFAULT_DEPTH = 6  # a dynamic tree's depth when the tree does not set it (EAGLE-2's)
+
+
+def fused_layers(cfg: LlamaConfig) -> tuple[int, int, int]:
+    """The low, middle and high layer counts whose states are fused (EAGLE-3's choice:
+    after layer 2, the middle one, and the third from the top)."""
+    L = cfg.n_layers
+    return tuple(sorted((min(2, L), max(L // 2, 1), max(L - 3, 1))))
+
+
+@flax.struct.dataclass
+class EagleState:
+    tokens: jax.Array  # [B,S] every committed token, and the current one
+    keys: jax.Array  # [B,K,S,H] the layer's keys/values of the committed entries (slot = position)
+    values: jax.Array
+    newest: jax.Array  # [B,D] the layer's output at the current token's entry
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleSettings(DrafterSettings):
+    """The drafter's shape. Data: draft_vocab [V'] token ids the drafter guesses among."""
+
+    layers: tuple[int, int, int]  # the fused layer counts (low, middle, high)
+    depth: int = DEFAULT_DEPTH  # the deepest a dynamic tree drafts
+
+    DATA = ("draft_vocab",)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(Drafter):
+    cfg: LlamaConfig  # the base model's
+    layers: tuple[int, int, int] = (2, 15, 27)
+    depth: int = DEFAULT_DEPTH
+
+    def __post_init__(self):
+        if len(self.layers) != 3 or not all(1 <= n <= self.cfg.n_layers for n in self.layers):
+            raise JaxspecError(
+                f"EAGLE fuses three layer counts within 1..{self.cfg.n_layers}, got "
+                f"{self.layers}; retrain the drafter for this model"
+            )
+
+    @property
+    def collect(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.layers)))
+
+    @property
+    def draft_depth(self) -> int:
+        return self.depth
+
+    @classmethod
+    def from_settings(cls, cfg, settings: EagleSettings, **options) -> EagleDrafter:
+        return cls(cfg, tuple(settings.layers), settings.depth)
+
+    def init(self, base_params, key=None) -> dict:
+        D = self.cfg.dim
+        eye, zeros = jnp.eye(D), jnp.zeros((D, D))
+        as_f32 = lambda tree: jax.tree.map(lambda x: jnp.array(x, jnp.float32), tree)  # noqa: E731
+        return {
+            # starts as the high layer's state alone (EAGLE-1's feature), and e + f
+            "fuse": {"w": jnp.concatenate([zeros, zeros, eye]), "b": jnp.zeros((D,))},
+            "entry": {
+                "w": jnp.concatenate([eye, eye]),
+                "b": jnp.zeros((D,)),
+                "embed_norm": jnp.ones((D,)),
+                "feature_norm": jnp.ones((D,)),
+            },
+            "layer": as_f32(base_params["layers"][-1]),
+            "norm": jnp.array(base_params["norm"], jnp.float32),
+        }
+
+    def prepare(self, params, drafter_params, data):
+        if not len(data.get("draft_vocab", ())):
+            return drafter_params
+        return {**drafter_params, "vocab": draft_vocab(params, self.cfg, data["draft_vocab"])}
+
+    def check_tree(self, tree) -> None:
+        if not isinstance(tree, DynamicTree):
+            return
+        k, D = tree.width, tree.max_depth
+        scored = k + (D - 1) * k * k  # the root's guesses, then k*k a depth
+        if self.depth < D or tree.n_nodes - 1 > scored:
+            raise JaxspecError(
+                f"{tree.label}: this drafter drafts at most {self.depth} deep and scores "
+                f"{scored} nodes at depth {D} and {k} guesses a node; pick a tree within "
+                "those (dynamic-N-DEPTH-WIDTH)"
+            )
+
+    # -- the layer
+    def fuse(self, drafter_params, states: dict) -> jax.Array:
+        """{layer count: [B,...,D]} model states -> fused features [B,...,D] float32."""
+        x = jnp.concatenate([states[n].astype(jnp.float32) for n in self.layers], -1)
+        p = drafter_params["fuse"]
+        return dense(x, p["w"]) + p["b"]
+
+    def entry_inputs(self, base_params, drafter_params, tokens, features):
+        """tokens [B,Q], features [B,Q,D] -> the block's inputs [B,Q,D]."""
+        eps, p = self.cfg.norm_eps, drafter_params["entry"]
+        e = rms_norm(embed(base_params, tokens), p["embed_norm"], eps)
+        f = rms_norm(features.astype(jnp.float32), p["feature_norm"], eps)
+        return dense(jnp.concatenate([e, f], -1), p["w"]) + p["b"]
+
+    def block(self, drafter_params, x, positions, keys, values, mask):
+        """x [B,Q,D] at positions [B,Q], context keys/values [B,K,C,H] (or None), mask
+        [B,Q,C+Q] -> (outputs [B,Q,D], the entries' keys and values [B,K,Q,H])."""
+        return decoder_layer(
+            self.cfg, drafter_params["layer"], x, *rope_tables(self.cfg, positions), keys,
+            values, mask,
+        )  # fmt: skip
+
+    def logits(self, base_params, drafter_params, y) -> jax.Array:
+        """Outputs [...,D] -> guess logits [...,V'] float32 (V' the draft vocabulary's size,
+        else the model's V)."""
+        x = rms_norm(y, drafter_params["norm"], self.cfg.norm_eps)
+        if "vocab" in drafter_params:
+            return dense(x, OutIn(drafter_params["vocab"]["matrix"]))
+        return vocab_projection(base_params, self.cfg, x)
+
+    def to_tokens(self, drafter_params, index: jax.Array) -> jax.Array:
+        if "vocab" in drafter_params:
+            return drafter_params["vocab"]["ids"][index]
+        return index.astype(jnp.int32)
+
+    # -- generation
+    def init_state(self, cfg, batch, max_len, dtype, drafter_params=None):
+        S = max_len + SPARE_SLOTS
+        kv = lambda: jnp.zeros((batch, cfg.n_kv_heads, S, cfg.head_dim), jnp.float32)  # noqa: E731
+        tokens = jnp.zeros((batch, S), jnp.int32)
+        return EagleState(tokens, kv(), kv(), jnp.zeros((batch, cfg.dim), jnp.float32))
+
+    def state_shardings(self, state, layout):
+        """The layer's keys/values split like the model's cache (its weights are split like
+        the model's layers, mesh.table_specs)."""
+        return EagleState(layout.rows, layout.kv, layout.kv, layout.rows)
+
+    def advance(self, params, drafter_params, inputs: DraftInputs) -> EagleState:
+        """Entries start+1 .. position (tokens x_{start+1..p}, features from the states at
+        start..p-1 that entered) into the drafter's cache; the root entry's output kept."""
+        st, new = inputs.state, inputs.entered
+        B, M = new.tokens.shape
+        S = st.tokens.shape[1]
+        rows = jnp.arange(B)[:, None]
+        tokens = jax.vmap(lambda row, x, at: jax.lax.dynamic_update_slice(row, x, (at,)))(
+            st.tokens, new.tokens, new.start
+        )
+        tokens = tokens.at[jnp.arange(B), inputs.position].set(inputs.current)
+        positions = new.start[:, None] + 1 + jnp.arange(M)  # [B,M]
+        valid = jnp.arange(M)[None] < new.count[:, None]
+        x = self.entry_inputs(
+            params, drafter_params, jnp.take_along_axis(tokens, jnp.minimum(positions, S - 1), 1),
+            self.fuse(drafter_params, new.hidden),
+        )  # fmt: skip
+        slots = jnp.arange(S)[None, None]
+        seen = (slots >= 1) & (slots <= new.start[:, None, None])  # [B,1,S] already written
+        own = valid[:, None, :] & (jnp.arange(M)[None, :, None] >= jnp.arange(M)[None, None, :])
+        y, k, v = self.block(
+            drafter_params, x, positions, st.keys, st.values,
+            jnp.concatenate([jnp.broadcast_to(seen, (B, M, S)), own], -1),
+        )  # fmt: skip
+        at = jnp.where(valid, positions, S)  # invalid rows are dropped
+        write = lambda buf, kv: buf.at[rows, :, at].set(kv.transpose(0, 2, 1, 3), mode="drop")  # noqa: E731
+        last = jnp.take_along_axis(y, jnp.maximum(new.count - 1, 0)[:, None, None], 1)[:, 0]
+        newest = jnp.where((new.count > 0)[:, None], last, st.newest)
+        return EagleState(tokens, write(st.keys, k), write(st.values, v), newest)
+
+    def expand(self, params, drafter_params, st, position, tokens, features, depth, above, ks,
+               vs):  # fmt: skip
+        """Drafted nodes' entries: tokens [B,Q], features [B,Q,D] (their parents' outputs),
+        depth [B,Q] (>= 1), above [B,Q,E] which of the E earlier drafted entries (keys/values
+        ks, vs [B,K,E,H]) are their ancestors -> (outputs [B,Q,D], keys, values [B,K,Q,H])."""
+        B, Q = tokens.shape
+        S = st.tokens.shape[1]
+        positions = position[:, None] + depth
+        slots = jnp.arange(S)[None, None]
+        seen = (slots >= 1) & (slots <= position[:, None, None])  # committed entries 1..p
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(seen, (B, Q, S)), above, jnp.broadcast_to(jnp.eye(Q, dtype=bool),
+                                                                       (B, Q, Q))], -1)  # fmt: skip
+        keys = jnp.concatenate([st.keys, ks], axis=2)
+        values = jnp.concatenate([st.values, vs], axis=2)
+        x = self.entry_inputs(params, drafter_params, tokens, features)
+        return self.block(drafter_params, x, positions, keys, values, mask)
+
+    def guess_log_probs(self, params, drafter_params, y, k: int):
+        """Outputs [B,Q,D] -> the top-k guesses per node: (log probabilities, token ids)."""
+        logits = self.logits(params, drafter_params, y)
+        norm = jax.nn.logsumexp(logits, -1, keepdims=True)
+        # A barrier keeps each TopK a TopK (XLA:CPU otherwise sorts the vocabulary).
+        lp, index = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
+        return lp - norm, self.to_tokens(drafter_params, index)
+
+    def draft_static(self, params, dp, inputs: DraftInputs, tree: TreeSpec) -> jax.Array:
+        """-> candidates [B,T-1]: every node with children expands them, depth by depth."""
+        st, p = inputs.state, inputs.position
+        B, T, K, H = p.shape[0], tree.n_nodes, self.cfg.n_kv_heads, self.cfg.head_dim
+        internal = np.flatnonzero(np.isin(np.arange(T), tree.parent))  # [I] static
+        slot = {int(node): i for i, node in enumerate(internal)}
+        nodes = jnp.zeros((B, T), jnp.int32).at[:, 0].set(inputs.current)
+        outputs = jnp.zeros((B, len(internal), self.cfg.dim), jnp.float32)
+        outputs = outputs.at[:, 0].set(st.newest)
+        ks = vs = jnp.zeros((B, K, 0, H), jnp.float32)
+        entered: list[int] = []  # drafted nodes with entries, in the order of ks
+        for d in range(1, tree.max_depth + 1):
+            level = internal[tree.depth[internal] == d - 1]
+            if d > 1:
+                above = jnp.asarray(tree.mask[level][:, entered], bool)  # [Q,E] ancestors
+                parents = [slot[int(tree.parent[n])] for n in level]
+                y, k, v = self.expand(
+                    params, dp, st, p, nodes[:, level], outputs[:, parents],
+                    jnp.full((B, len(level)), d - 1), jnp.broadcast_to(above, (B, *above.shape)),
+                    ks, vs,
+                )  # fmt: skip
+                outputs = outputs.at[:, [slot[int(n)] for n in level]].set(y)
+                ks, vs = jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
+                entered += level.tolist()
+            children = np.flatnonzero(tree.depth == d)
+            _, guess = self.guess_log_probs(
+                params, dp, outputs[:, [slot[int(n)] for n in level]],
+                int(tree.rank[children].max()) + 1,
+            )  # fmt: skip
+            parent = np.searchsorted(level, tree.parent[children])
+            nodes = nodes.at[:, children].set(guess[:, parent, tree.rank[children]])
+        return nodes[:, 1:]
+
+    def draft_dynamic(self, params, dp, inputs: DraftInputs, tree: DynamicTree) -> Draft:
+        """EAGLE-2: the root's top-`width` guesses, then depth by depth the `width` best
+        nodes by path probability (the frontier) expand their top-`width` guesses; the tree
+        is the N best nodes of all scored."""
+        st, p = inputs.state, inputs.position
+        B, k, K, H = p.shape[0], tree.width, self.cfg.n_kv_heads, self.cfg.head_dim
+        score, token = self.guess_log_probs(params, dp, st.newest[:, None], k)
+        score, token = score[:, 0], token[:, 0]  # [B,k]: depth 1
+        pool = [score], [token], [jnp.full((B, k), -1)], [jnp.ones((B, k), jnp.int32)]
+        front_feature = jnp.broadcast_to(st.newest[:, None], (B, k, self.cfg.dim))
+        above = jnp.zeros((B, k, 0), bool)
+        ks = vs = jnp.zeros((B, K, 0, H), jnp.float32)
+        # the frontier: pool indices, path log probabilities, tokens, features
+        front, front_score, front_token = jnp.broadcast_to(jnp.arange(k), (B, k)), score, token
+        for d in range(2, tree.max_depth + 1):
+            y, kk, vv = self.expand(
+                params, dp, st, p, front_token, front_feature, jnp.full((B, k), d - 1), above,
+                ks, vs,
+            )  # fmt: skip
+            ks, vs = jnp.concatenate([ks, kk], 2), jnp.concatenate([vs, vv], 2)
+            lp, guess = self.guess_log_probs(params, dp, y, k)  # [B,k,k]
+            grown = (front_score[:, :, None] + lp).reshape(B, k * k)
+            guess = guess.reshape(B, k * k)
+            offset = sum(x.shape[1] for x in pool[0])
+            pool[0].append(grown)
+            pool[1].append(guess)
+            pool[2].append(jnp.repeat(front, k, axis=1))
+            pool[3].append(jnp.full((B, k * k), d, jnp.int32))
+            front_score, best = jax.lax.top_k(grown, k)  # the next frontier
+            src = best // k  # [B,k] the frontier node each one hangs from
+            front = offset + best
+            front_token = jnp.take_along_axis(guess, best, 1)
+            front_feature = jnp.take_along_axis(y, src[..., None], 1)
+            # [B,k,E+k]: the parent's ancestors and the parent
+            parent = src[..., None] == jnp.arange(k)
+            above = jnp.concatenate([jnp.take_along_axis(above, src[..., None], 1), parent], -1)
+        return best_of_pool(*(jnp.concatenate(x, 1) for x in pool), tree.n_nodes - 1)
+
+    def propose(self, params, drafter_params, tree, inputs, key):
+        if isinstance(tree, DynamicTree):
+            return self.draft_dynamic(params, drafter_params, inputs, tree)
+        if tree.n_nodes == 1:
+            return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
+        return self.draft_static(params, drafter_params, inputs, tree)
+
+
+def draft_vocab(base_params, cfg: LlamaConfig, ids) -> dict:
+    """Token ids [V'] -> {"ids", "matrix" [V',D]}: their rows of the model's lm_head."""
+    ids = jnp.asarray(ids, jnp.int32)
+    lm = base_params["embed_tokens"] if cfg.tie_embeddings else base_params["lm_head"].T
+    return {"ids": ids, "matrix": jnp.take(lm, ids, axis=0)}
+
+
+def shifted(fused: jax.Array) -> jax.Array:
+    """fused [B,n,D] states at positions 0..n-1 -> the features of entries 0..n-1 (entry i
+    takes position i-1's; entry 0 none: zeros)."""
+    return jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
+
+
+def training_outputs(drafter: EagleDrafter, base_params, dp, tokens, features, steps: int,
+                     positions=None) -> list[jax.Array]:  # fmt: skip
+    """Training-time test over whole sequences: tokens [B,n] at positions [B,n] (default
+    0..n-1), features [B,n,D] of their entries from the model's states (`shifted`) ->
+    `steps` layer outputs [B,n,D]. Step k's output at i is what drafting computes for the
+    depth-(k-1) node holding x_i when the root is x_{i-k+1} and the path's tokens are the
+    true ones: its feature is step k-1's output at i-1, and it attends to the committed
+    entries at positions 1..i-k+1 (step 1's) and the path's entries (step m's at i-k+m)."""
+    B, n = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(n), (B, n)) if positions is None else positions
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None]
+    entry = positions[:, None, :] >= 1  # [B,1,n] position 0 has no entry
+    keys, values, outputs = [], [], []
+    for k in range(1, steps + 1):
+        x = drafter.entry_inputs(base_params, dp, tokens, features)
+        if k == 1:
+            mask = ((j <= i) & entry) | (j == i)
+            context_k = context_v = None
+        else:
+            committed = (j <= i - k + 1) & entry
+            path = [jnp.broadcast_to(j == i - k + m, (B, n, n)) for m in range(2, k)]
+            mask = jnp.concatenate([committed, *path, jnp.broadcast_to(j == i, (B, n, n))], -1)
+            context_k, context_v = jnp.concatenate(keys, 2), jnp.concatenate(values, 2)
+        y, kk, vv = drafter.block(dp, x, positions, context_k, context_v, mask)
+        keys.append(kk)
+        values.append(vv)
+        outputs.append(y)
+        features = shifted(y)
+    return outputs

@@ -1,0 +1,197 @@
+"""The EAGLE-class drafter: its cache of entries equals a whole-sequence pass, static and
+dynamic (EAGLE-2) trees decode AR's tokens, the dynamic tree holds the N best nodes of
+everything the drafter scored, and training-time test computes what drafting does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.drafters.eagle import EagleDrafter, EagleSettings, shifted, training_outputs
+from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import causal_mask
+from jaxspec.llama import embed, run_layers
+from tests.test_api import write_drafters
+
+PROMPTS = ["w5 w9 w7 w11", "w8 w30 w8"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return jaxspec.load_model(tiny_ckpt[0], dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_ckpt, tmp_path_factory):
+    return write_drafters(tiny_ckpt[0], tmp_path_factory.mktemp("drafters")) / "eagle"
+
+
+def trained_like(drafter, params, seed=0):
+    """Random drafter weights (an untrained drafter's are mostly identities)."""
+    fresh = drafter.init(params)
+    leaves, tree = jax.tree.flatten(fresh)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(
+        tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    )
+
+
+@pytest.mark.parametrize("tree", ["chain-3", "comb-2-10", "cpu-8", "dynamic-8", "dynamic-12-3-3"])
+def test_eagle_decodes_ars_tokens(model, drafter_dir, tree):
+    ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
+    gen = jaxspec.Generator(model, "eagle", drafter=drafter_dir, tree=tree)
+    got = gen.generate(PROMPTS, max_new_tokens=16)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+
+
+def test_eagle_refuses_trees_beyond_its_depth(model, drafter_dir):
+    with pytest.raises(JaxspecError, match="drafts at most 3 deep"):
+        jaxspec.Generator(model, "eagle", drafter=drafter_dir, tree="dynamic-8-4-2")
+
+
+def sequence_pass(drafter, params, dp, tokens):
+    """The model and the drafter's first step over a whole sequence [1,n] -> the layer's
+    outputs [1,n,D] (training_outputs' step 1)."""
+    cfg = drafter.cfg
+    n = tokens.shape[1]
+    positions = jnp.arange(n)[None]
+    _, _, states = run_layers(params, cfg, embed(params, tokens), positions, None,
+                              causal_mask(1, n), collect=drafter.collect)  # fmt: skip
+    return training_outputs(drafter, params, dp, tokens, shifted(drafter.fuse(dp, states)), 1)[0], states
+
+
+def test_cached_entries_equal_a_whole_sequence_pass(model):
+    """advance() over a prompt in two chunks, then an accepted path: the root entry's
+    output is the whole-sequence pass's at that position."""
+    from jaxspec.drafters.base import DraftInputs, Entered
+
+    cfg, params = model.cfg, model.params
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    dp = trained_like(drafter, params)
+    tokens = jnp.asarray([[5, 9, 7, 11, 5, 8, 30, 8, 9, 10]])
+    y, states = sequence_pass(drafter, params, dp, tokens)
+    state = drafter.init_state(cfg, 1, 32, jnp.float32)
+    for start, stop in ((0, 4), (4, 7), (7, 9)):  # entries start+1 .. stop
+        hidden = {n: h[:, start:stop] for n, h in states.items()}
+        entered = Entered(tokens[:, start:stop], jnp.array([start]), jnp.array([stop - start]),
+                          hidden)  # fmt: skip
+        inputs = DraftInputs({}, tokens[:, stop], jnp.array([stop]), None, None,
+                             entered=entered, state=state)  # fmt: skip
+        state = drafter.advance(params, dp, inputs)
+        np.testing.assert_allclose(state.newest[0], y[0, stop], rtol=2e-4, atol=2e-4)
+
+
+def test_training_time_test_is_drafting_along_the_true_path(model):
+    """Step k of training at position i = the static chain's depth-(k-1) node whose path
+    is the true tokens: drafting a chain with the true tokens forced gives the same output."""
+    cfg, params = model.cfg, model.params
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    dp = trained_like(drafter, params, seed=1)
+    tokens = jnp.asarray([[5, 9, 7, 11, 5, 8, 30, 8, 9, 10]])
+    _, states = sequence_pass(drafter, params, dp, tokens)
+    outs = training_outputs(drafter, params, dp, tokens, shifted(drafter.fuse(dp, states)), 3)
+    p = 5  # the root x_5; its entry and those before it are committed
+    st = drafter.init_state(cfg, 1, 32, jnp.float32)
+    from jaxspec.drafters.base import DraftInputs, Entered
+
+    entered = Entered(tokens[:, :p], jnp.array([0]), jnp.array([p]),
+                      {n: h[:, :p] for n, h in states.items()})  # fmt: skip
+    st = drafter.advance(params, dp, DraftInputs({}, tokens[:, p], jnp.array([p]), None, None,
+                                                 entered=entered, state=st))  # fmt: skip
+    feature, ks, vs = st.newest[:, None], None, None
+    K, H = cfg.n_kv_heads, cfg.head_dim
+    ks = vs = jnp.zeros((1, K, 0, H))
+    for depth in (1, 2):  # nodes x_{p+1}, x_{p+2} forced to the true tokens
+        above = jnp.ones((1, 1, ks.shape[2]), bool)
+        y, k, v = drafter.expand(params, dp, st, jnp.array([p]), tokens[:, p + depth, None],
+                                 feature, jnp.array([[depth]]), above, ks, vs)  # fmt: skip
+        np.testing.assert_allclose(y[0, 0], outs[depth][0, p + depth], rtol=2e-4, atol=2e-4)
+        feature, ks, vs = y, jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
+
+
+def test_dynamic_tree_is_the_n_best_of_all_scored(model):
+    """EAGLE-2's pool: every chosen node's score is its parent's plus its token's log
+    probability under the drafter at its parent, and no unchosen scored node beats the
+    worst chosen one (checked against the drafter re-run on each chosen path)."""
+    from jaxspec.drafters.base import DraftInputs, Entered
+    from jaxspec.tree import DynamicTree
+
+    cfg, params = model.cfg, model.params
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    dp = trained_like(drafter, params, seed=2)
+    tokens = jnp.asarray([[5, 9, 7, 11, 5, 8]])
+    _, states = sequence_pass(drafter, params, dp, tokens)
+    p = 5
+    st = drafter.advance(params, dp, DraftInputs(
+        {}, tokens[:, p], jnp.array([p]), None, None, state=drafter.init_state(cfg, 1, 32, 0),
+        entered=Entered(tokens[:, :p], jnp.array([0]), jnp.array([p]),
+                        {n: h[:, :p] for n, h in states.items()})))  # fmt: skip
+    inputs = DraftInputs({}, tokens[:, p], jnp.array([p]), None, None, state=st)
+    tree = DynamicTree(10, 3, 3)
+    draft = drafter.draft_dynamic(params, dp, inputs, tree)
+    parent, token, depth = (np.asarray(x[0]) for x in (draft.parent, draft.tokens, draft.depth))
+
+    def log_probs(path):  # the drafter's log probabilities after a path of tokens
+        feature, ks, vs = st.newest[:, None], jnp.zeros((1, cfg.n_kv_heads, 0, cfg.head_dim)), None
+        vs = ks
+        for d, t in enumerate(path, start=1):
+            y, k, v = drafter.expand(params, dp, st, jnp.array([p]), jnp.array([[t]]), feature,
+                                     jnp.array([[d]]), jnp.ones((1, 1, d - 1), bool), ks, vs)  # fmt: skip
+            feature, ks, vs = y, jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
+        return np.asarray(jax.nn.log_softmax(drafter.logits(params, dp, feature[0, 0])))
+
+    paths, score = {0: ()}, {0: 0.0}
+    for n in range(1, 10):
+        assert parent[n - 1] < n and depth[n - 1] == len(paths[parent[n - 1]]) + 1
+        paths[n] = paths[parent[n - 1]] + (int(token[n - 1]),)
+        score[n] = score[parent[n - 1]] + log_probs(paths[parent[n - 1]])[token[n - 1]]
+    assert len(set(paths.values())) == 10
+    worst = min(score[n] for n in range(1, 10))
+    # the best alternative at the root: its top-3 guesses all in the tree, or worse
+    root = log_probs(())
+    for t in np.argsort(-root)[:3]:
+        assert (int(t),) in paths.values() or root[t] <= worst + 1e-5
+
+
+def test_eagle_settings_round_trip():
+    s = EagleSettings(layers=(2, 15, 27))
+    assert EagleSettings.from_json(s.to_json(), "x") == s
+
+
+@pytest.fixture(scope="module")
+def trained_eagle(tiny_ckpt, tmp_path_factory):
+    """Train 4 steps, 'interrupt', resume to 6: (drafter dir, reports, checkpoint)."""
+    import train.eagle as eagle
+    from tests.conftest import tiny_training_args, train_on_made_up_conversations
+
+    tmp = tmp_path_factory.mktemp("eagle")
+    common = [*tiny_training_args(tiny_ckpt[0], tmp, save_every=2), "--rows", "6", "--ttt", "3",
+              "--depth", "3", "--draft-vocab", "40", "--overwrite"]  # fmt: skip
+    first, second = train_on_made_up_conversations(
+        eagle, [*common, "--steps", "4"], [*common, "--steps", "6"]
+    )
+    return tmp / "out", first, second, tiny_ckpt[0]
+
+
+def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
+    from jaxspec.drafters.store import load_drafter
+
+    out, first, second, ckpt = trained_eagle
+    assert first["steps"] == 4 and second["steps"] == 6
+    assert first["final_loss_per_step"] != second["final_loss_per_step"]  # it trained on
+    assert min(second["accepted_per_step"].values()) >= 1.0
+    acc = np.array(second["test_topk_accuracy"])
+    assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)
+    model = jaxspec.load_model(ckpt, dtype="float32")
+    settings, _, data = load_drafter(out, "eagle", model.cfg)
+    assert len(data["draft_vocab"]) <= 40 + len(model.cfg.eos_token_ids)
+    assert "# EAGLE-class drafter" in (out / "CARD.md").read_text()
+    ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
+    for tree in ("chain-2", "searched-8", "dynamic-8"):
+        got = jaxspec.Generator(model, "eagle", drafter=out, tree=tree).generate(
+            PROMPTS, max_new_tokens=16
+        )
+        assert [r.token_ids for r in got] == [r.token_ids for r in ar], tree

@@ -1,0 +1,255 @@
+"""jaxspec-train eagle: the EAGLE-class drafter (one decoder layer on fused low/middle/high
+states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training-time test.
+
+1. Data: the base model's own greedy answers to ShareGPT train-split prompts (shared with
+   the other trainers) and its states after the fused layers and the last one at every
+   position (cached beside them).
+2. Each step takes --batch whole sequences; --ttt steps of the layer run over them, step k
+   feeding each position step k-1's output as its feature (`training_outputs`: the masks
+   drafting uses at depth k-1). At --rows answer positions per sequence every step's guess
+   is scored against the base model's next-token distribution there, restricted to the
+   draft vocabulary (cross-entropy), step k weighted --decay**(k-1).
+3. Orbax checkpoints every --save-every steps; a rerun resumes.
+4. Evaluation on the test split: top-1..5 accuracy per step against the greedy token
+   (earlier path tokens the true ones), searched trees; the drafter and its card; its
+   accepted tokens per step (train/acceptance.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxspec.cli import nonnegative_int, positive_float, positive_int
+from jaxspec.drafters.eagle import (
+    DEFAULT_DEPTH,
+    EagleDrafter,
+    EagleSettings,
+    draft_vocab,
+    fused_layers,
+    shifted,
+    training_outputs,
+)
+from jaxspec.errors import JaxspecError
+from jaxspec.llama import lm_logits
+from jaxspec.tree import searched_trees
+
+from . import skeleton
+from .args import parse, trainer_parser
+from .checkpoints import command_flags, started_from
+from .chimera import frequent_tokens, row_range
+from .features import layer_features
+from .optim import apply_grads
+from .skeleton import Result, Trainer
+
+
+def parse_args(argv):
+    p = trainer_parser("eagle", __doc__, can_init=True, steps=600)
+    p.add_argument("--ttt", type=positive_int, default=4, help="training-time test steps")
+    p.add_argument(
+        "--depth", type=positive_int, default=DEFAULT_DEPTH, help="deepest dynamic tree drafted"
+    )
+    p.add_argument("--rows", type=positive_int, default=48, help="scored positions per sequence")
+    p.add_argument(
+        "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=nonnegative_int,
+        default=8192,
+        help="the drafter guesses among this many most frequent answer tokens (0: all)",
+    )
+    return parse(p, argv)
+
+
+def fused_and_last(features: dict, seqs, layers: tuple[int, ...]):
+    """-> the fused layers' states [B,T,3,D] and the last layer's [B,T,D], float32."""
+    stored = features["layers"].tolist()
+    states = jnp.asarray(features["states"][seqs], jnp.float32)
+    return states[:, :, [stored.index(n) for n in layers]], states[:, :, -1]
+
+
+def step_logits(drafter, base, params, tokens, fused3, rows, steps):
+    """-> guess logits [B,R,K,V'] of each training-time-test step at rows [B,R]."""
+    states = {n: fused3[:, :, i] for i, n in enumerate(drafter.layers)}
+    features = shifted(drafter.fuse(params, states))
+    outputs = training_outputs(drafter, base, params, tokens, features, steps)
+    at = lambda y: jnp.take_along_axis(y, rows[..., None], axis=1)  # noqa: E731
+    return jnp.stack([drafter.logits(base, params, at(y)) for y in outputs], axis=2)
+
+
+def teacher(base, cfg, last, rows, vocab):
+    """The model's next-token distribution at rows [B,R], over the draft vocabulary
+    (renormalised) -> [B,R,1,V']."""
+    logits = lm_logits(base, cfg, jnp.take_along_axis(last, rows[..., None], axis=1))
+    if vocab is not None:
+        logits = logits[..., vocab["ids"]]
+    return jax.nn.softmax(logits, -1)[:, :, None]
+
+
+@partial(jax.jit, static_argnames=("drafter", "optimizer", "steps"))
+def train_step(state, base, tokens, fused3, last, rows, weights, vocab, *, drafter, optimizer,
+               steps):  # fmt: skip
+    target = teacher(base, drafter.cfg, last, rows, vocab)
+
+    def loss_fn(params):
+        p = params if vocab is None else {**params, "vocab": vocab}
+        logits = step_logits(drafter, base, p, tokens, fused3, rows, steps)
+        losses = optax.softmax_cross_entropy(logits, target).mean((0, 1))  # [K]
+        return (losses * weights).sum(), losses
+
+    (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    return apply_grads(state, grads, optimizer), losses
+
+
+@partial(jax.jit, static_argnames=("drafter", "steps"))
+def topk_hits(base, params, tokens, fused3, rows, labels, valid, *, drafter, steps):
+    """-> [K,5] hits at top-1..5 per step, counting rows where valid [B,R]."""
+    logits = step_logits(drafter, base, params, tokens, fused3, rows, steps)
+    guesses = drafter.to_tokens(params, jax.lax.top_k(logits, 5)[1])
+    hit = jnp.cumsum(guesses == labels[:, :, None, None], axis=-1) > 0
+    return (hit & valid[:, :, None, None]).sum((0, 1))
+
+
+def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
+    """Top-1..5 accuracy per step [K,5] over every answer row of every test sequence."""
+    hits, total = np.zeros((steps, 5)), 0
+    width = features["tokens"].shape[1]  # rows padded to one shape: one compilation
+    for n in range(len(features["tokens"])):
+        low, high = row_range(features, n, steps)
+        rows = np.minimum(np.arange(low, low + width), high - 1)[None]
+        valid = jnp.asarray(np.arange(low, low + width) < high)[None]
+        fused3, _ = fused_and_last(features, np.array([n]), drafter.layers)
+        labels = jnp.asarray(np.take_along_axis(features["predicted"][[n]], rows, 1))
+        hits += np.asarray(topk_hits(
+            base, params, jnp.asarray(features["tokens"][[n]]), fused3, jnp.asarray(rows),
+            labels, valid, drafter=drafter, steps=steps,
+        ))  # fmt: skip
+        total += int(valid.sum())
+    return hits / total
+
+
+class Eagle(Trainer):
+    method = "eagle"
+
+    def __init__(self, args, model):
+        super().__init__(args, model)
+        if model.cfg.n_layers < 2:
+            raise JaxspecError("EAGLE fuses states of several layers: the model has only one")
+
+    def prepare(self) -> None:
+        args, cfg = self.args, self.cfg
+        self.drafter = EagleDrafter(cfg, fused_layers(cfg), args.depth)
+
+        def load(split: str, n: int) -> dict:
+            return layer_features(self.model, self.shared, split, n, args.prompt_len,
+                                  args.new_tokens, self.drafter.layers)  # fmt: skip
+
+        self.train_f, self.test_f = load("train", args.train_seqs), load("test", args.test_seqs)
+        self.vocab_ids = None
+        if args.draft_vocab:
+            ids = frequent_tokens(self.train_f, args.draft_vocab, tuple(cfg.eos_token_ids))
+            self.vocab_ids = np.asarray(ids, np.int32)
+        self.vocab = None if self.vocab_ids is None else draft_vocab(
+            self.model.params, cfg, self.vocab_ids)  # fmt: skip
+        self.weights = jnp.asarray(args.decay ** np.arange(args.ttt), jnp.float32)
+
+    def fresh(self):
+        return self.drafter.init(self.model.params)
+
+    def step(self, state, step):
+        args = self.args
+        rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
+        seqs = rng.integers(0, len(self.train_f["tokens"]), args.batch)
+        rows = np.stack([rng.integers(*row_range(self.train_f, n, args.ttt), args.rows)
+                         for n in seqs])  # fmt: skip
+        fused3, last = fused_and_last(self.train_f, seqs, self.drafter.layers)
+        return train_step(
+            state, self.model.params, jnp.asarray(self.train_f["tokens"][seqs]), fused3, last,
+            jnp.asarray(rows), self.weights, self.vocab, drafter=self.drafter,
+            optimizer=self.optimizer, steps=args.ttt,
+        )  # fmt: skip
+
+    def shown(self, aux):
+        return {"loss": " ".join(f"{x:.2f}" for x in np.asarray(aux))}
+
+    def finish(self, state, aux) -> Result:
+        args, cfg = self.args, self.cfg
+        record = self.record(lambda: {
+            "final_loss_per_step": [round(float(x), 4) for x in np.asarray(aux)],
+        })  # fmt: skip
+        params = state["params"]
+        scored = params if self.vocab is None else {**params, "vocab": self.vocab}
+        accuracy = evaluate(self.drafter, self.model.params, scored, self.test_f, args.ttt)
+        settings = EagleSettings(
+            layers=self.drafter.layers, depth=args.depth, trees=searched_trees(accuracy),
+            cpu_tree="chain-2", gpu_tree="dynamic-64",
+        )  # fmt: skip
+        data, coverage = {}, None
+        if self.vocab_ids is not None:
+            data["draft_vocab"] = self.vocab_ids
+            test = self.test_f
+            answers = np.concatenate([test["tokens"][n, s:length] for n, (s, length) in
+                                      enumerate(zip(test["starts"], test["lengths"],
+                                                    strict=True))])  # fmt: skip
+            coverage = round(float(np.isin(answers, self.vocab_ids).mean()), 4)
+        report = {
+            "steps": int(state["step"]),
+            **record,
+            "draft_vocab_test_coverage": coverage,
+            "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
+        }
+        params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), params)
+        return Result(report, settings, params16, card(args, cfg, self.drafter, report),
+                      self.test_f, data)  # fmt: skip
+
+
+def train(argv) -> dict:
+    return skeleton.train(Eagle, parse_args(argv))
+
+
+def card(args, cfg, drafter, report) -> str:
+    rows = "\n".join(
+        f"| {k + 1} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
+        for k, acc in enumerate(report["test_topk_accuracy"])
+    )
+    vocab = (
+        f"the {args.draft_vocab} most frequent answer tokens, covering "
+        f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
+        if args.draft_vocab
+        else "the whole vocabulary"
+    )
+    return f"""# EAGLE-class drafter for {cfg.name}
+
+- One decoder layer (initialised from the base model's last layer) on
+  [norm(token embedding) ; norm(feature)] -> Linear(2D->D); the feature of a committed
+  token fuses the model's states after layers {", ".join(map(str, drafter.layers))} (Linear(3D->D)),
+  a drafted token's is the layer's own output at its parent. Own final norm, the model's
+  frozen lm_head over the draft vocabulary. Weights stored in float16.
+- Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
+  ShareGPT train-split conversations (prompts <= {args.prompt_len} tokens, answers
+  <= {args.new_tokens}).
+- Training: {report["steps"]} steps of {args.batch} sequences, training-time test over
+  {args.ttt} steps, {args.rows} scored positions per sequence, cross-entropy to the model's
+  next-token distribution over the draft vocabulary, step weights {args.decay}**(k-1), AdamW
+  lr {args.lr} cosine; {report.get("train_minutes")} minutes of training on the machine
+  that trained it.
+- Final training loss per step: {report.get("final_loss_per_step")}
+- Draft vocabulary: {vocab}.
+{started_from(args)}- Command: `jaxspec-train eagle {command_flags(args)}`
+
+Test-split accuracy ({args.test_seqs} ShareGPT test conversations), top-1..5 against the
+base model's greedy tokens (earlier path tokens the true ones); step k = depth k:
+
+| step | top-1 | top-2 | top-3 | top-4 | top-5 |
+|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def main(argv=None) -> None:
+    train(argv)
