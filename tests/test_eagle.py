@@ -60,7 +60,8 @@ def sequence_pass(drafter, params, dp, tokens):
     positions = jnp.arange(n)[None]
     _, _, states = run_layers(params, cfg, embed(params, tokens), positions, None,
                               causal_mask(1, n), collect=drafter.collect)  # fmt: skip
-    return training_outputs(drafter, params, dp, tokens, shifted(drafter.fuse(dp, states)), 1)[0], states
+    features = shifted(drafter.fuse(dp, states))
+    return training_outputs(drafter, params, dp, tokens, features, 1)[0], states
 
 
 def test_cached_entries_equal_a_whole_sequence_pass(model):
@@ -138,8 +139,9 @@ def test_dynamic_tree_is_the_n_best_of_all_scored(model):
         feature, ks, vs = st.newest[:, None], jnp.zeros((1, cfg.n_kv_heads, 0, cfg.head_dim)), None
         vs = ks
         for d, t in enumerate(path, start=1):
+            above = jnp.ones((1, 1, d - 1), bool)  # every earlier entry is an ancestor
             y, k, v = drafter.expand(params, dp, st, jnp.array([p]), jnp.array([[t]]), feature,
-                                     jnp.array([[d]]), jnp.ones((1, 1, d - 1), bool), ks, vs)  # fmt: skip
+                                     jnp.array([[d]]), above, ks, vs)  # fmt: skip
             feature, ks, vs = y, jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
         return np.asarray(jax.nn.log_softmax(drafter.logits(params, dp, feature[0, 0])))
 
