@@ -17,6 +17,7 @@ import pytest
 from jaxspec.checkpoint import CONFIG_FILE, load_checkpoint
 from jaxspec.cli import run_main
 from jaxspec.drafters.chimera import ChimeraSettings
+from jaxspec.drafters.eagle import EagleSettings
 from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaSettings
 from jaxspec.drafters.sdsat import SdsatSettings
@@ -63,6 +64,7 @@ SETTINGS = {
     "firp": FirpSettings(layers=(1, 2)),
     "chimera": ChimeraSettings(n_heads=2),
     "sdsat": SdsatSettings(rank=2),
+    "eagle": EagleSettings(layers=(1, 1, 2)),
 }
 
 

@@ -127,11 +127,11 @@ def test_rows_of_the_shipped_drafters_and_what_is_missing(tmp_path):
     cfg = preset("smollm2-135m")
     groups = bench_rows(cfg, {"chimera": tmp_path / "none"})
     default = {r["row"]: r for r in groups["default"]}
-    assert list(default) == ["medusa", "firp", "chimera", "sdsat", "lookup", "ppd"]
+    assert list(default) == ["medusa", "firp", "chimera", "eagle", "sdsat", "lookup", "ppd"]
     assert "no chimera drafter" in default["chimera"]["skipped"]
     assert default["ppd"]["tree"] == "" and default["medusa"]["tree"]
     assert default["lookup"]["tree"] and "skipped" not in default["lookup"]  # no folder needed
-    lookup = groups[SEARCHED].pop(4)
+    lookup = groups[SEARCHED].pop(5)
     assert lookup == {"row": f"lookup@{LOOKUP_32}", "tree": LOOKUP_32}
     assert tree_preset(LOOKUP_32).n_nodes == 33
     for row in groups[SEARCHED]:

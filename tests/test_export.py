@@ -14,6 +14,7 @@ from jaxspec import export, sampling
 from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.chimera import ChimeraSettings
+from jaxspec.drafters.eagle import EagleSettings
 from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.lookup import LookupSettings
 from jaxspec.drafters.medusa import MedusaSettings
@@ -32,6 +33,7 @@ SETTINGS = {
     "chimera": ChimeraSettings(n_heads=2),
     "sdsat": SdsatSettings(rank=2),
     "lookup": LookupSettings(),
+    "eagle": EagleSettings(layers=(1, 2, 4), depth=3),
 }
 # a chain, and a branching tree (with sampling: plain and typical acceptance)
 CASES = [

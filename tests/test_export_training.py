@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import train.chimera
+import train.eagle
 import train.features
 import train.firp
 import train.medusa
@@ -153,6 +154,29 @@ def chimera(tmp, monkeypatch, argv=()) -> dict:
     return programs
 
 
+def eagle(tmp, monkeypatch) -> dict:
+    programs = {}
+    record(monkeypatch, programs, train.eagle, "train_step")
+    record(monkeypatch, programs, train.eagle, "topk_hits")
+
+    def layer_features(model, root, split, n, prompt_len, new_tokens, layers):
+        stored = sorted(set(layers) | {CFG.n_layers})
+        rng = np.random.default_rng(len(split))
+        states = rng.standard_normal((4, S, len(stored), CFG.dim)).astype(np.float16)
+        return {**made_up_features(), "states": states, "layers": np.asarray(stored)}
+
+    monkeypatch.setattr(train.eagle, "layer_features", layer_features)
+    trainer, manager, state = started(
+        train.eagle, train.eagle.Eagle, ["--ttt", "2", "--rows", "4", "--draft-vocab", "32"], tmp
+    )
+    step(trainer, state)
+    with pytest.raises(Stop):
+        scored = {**state["params"], "vocab": trainer.vocab}
+        train.eagle.evaluate(trainer.drafter, model().params, scored, trainer.test_f, 2)
+    manager.close()
+    return programs
+
+
 def sdsat(tmp, monkeypatch) -> dict:
     programs = {}
     record(monkeypatch, programs, train.sdsat, "train_step")
@@ -210,6 +234,7 @@ TRAINERS = {
         {"train_step"},
     ),
     "sdsat": (sdsat, {"train_step", "span_hits"}),
+    "eagle": (eagle, {"train_step", "topk_hits"}),
     "sdsat-full": (sdsat_full, {"full_step"}),
     "ppd": (ppd, {"layer_states", "train_step", "match_hits"}),
 }
@@ -240,5 +265,7 @@ def test_export_training_feature_programs():
     real_pass = jax.jit(partial(real_context, cfg=CFG, layers=(2, 4)))
     exported_everywhere({
         "features": (train.features._features, (model().params, tokens), {"cfg": CFG}),
+        "layer_states": (train.features._layer_states, (model().params, tokens),
+                         {"cfg": CFG, "layers": (1, 2, 4)}),
         "firp_real_pass": (real_pass, (model().params,), {"tokens": tokens}),
     })  # fmt: skip

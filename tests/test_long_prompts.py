@@ -12,6 +12,7 @@ import pytest
 from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator, _prompt_chunks
 from jaxspec.drafters.chimera import ChimeraSettings
+from jaxspec.drafters.eagle import EagleSettings
 from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaSettings
 from jaxspec.drafters.sdsat import SdsatSettings
@@ -26,6 +27,7 @@ SETTINGS = {
     "firp": FirpSettings(layers=(1, 2)),
     "chimera": ChimeraSettings(n_heads=2, cache_size=64),
     "sdsat": SdsatSettings(rank=2),
+    "eagle": EagleSettings(layers=(1, 1, 2)),
 }
 RNG = np.random.default_rng(0)
 PROMPTS = [RNG.integers(3, 97, n).tolist() for n in (70, 23, 48, 33)]
@@ -50,6 +52,7 @@ def test_chunked_prefill_gives_one_shot_tokens(method):
     assert chunked.shapes(70, 24)[:2] == (True, 16)
     got = chunked.generate_batch(PROMPTS, 24)
     assert [r.token_ids for r in got] == [r.token_ids for r in one_shot]
+    assert [r.steps for r in got] == [r.steps for r in one_shot]  # the drafter's state too
     assert "extend" in next(iter(chunked._executables.values()))
 
 

@@ -161,7 +161,7 @@ def one_device_tokens(method: str, sampling=None) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "method, mesh",
-    [(m, "2x2") for m in ("ar", "medusa", "firp", "chimera", "sdsat", "lookup")]
+    [(m, "2x2") for m in ("ar", "medusa", "firp", "chimera", "sdsat", "lookup", "eagle")]
     + [("chimera", shape) for shape in ("1x4", "2x1")]
     + [("medusa", "1x2")],
 )

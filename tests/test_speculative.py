@@ -183,6 +183,12 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
         from tests.test_chimera import random_chimera
 
         return random_chimera(cfg, params, 4)
+    if name == "eagle":  # a random layer on fused states (drafts from its own cache)
+        from jaxspec.drafters.eagle import EagleDrafter
+        from tests.test_eagle import trained_like
+
+        drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+        return drafter, trained_like(drafter, params, seed=4)
     if name == "medusa":  # heads perturbed from zero: guesses near the model's own
         from jaxspec.drafters.medusa import MedusaDrafter
 
@@ -211,6 +217,8 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
         ("comb-2-2", Sampling(0.9), "sdsat-one-forward"),
         ("dynamic-6-3-3", Sampling(1.0), "medusa"),
         ("dynamic-8-2-4", Sampling(0.8, top_p=0.9), "firp"),
+        ("cpu-8", Sampling(0.9), "eagle"),
+        ("dynamic-8-3-3", Sampling(1.0, top_p=0.9), "eagle"),
     ],
 )
 def test_tree_rejection_sampling_preserves_the_distribution(tree_name, sampling, drafter_name):
