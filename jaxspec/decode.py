@@ -313,16 +313,16 @@ class SpeculativeGenerator:
         self._makers: dict[tuple, Callable] = {}  # (kind, batch, cache_len): its maker on the mesh
 
     def _checked_tree(self, tree):
-        """A dynamic tree needs a drafter with per-depth guesses; its depth, unset, becomes
-        the drafter's."""
+        """A dynamic tree needs a drafter that fills one (Drafter.draft_depth); its depth,
+        unset, becomes the drafter's."""
         if not isinstance(tree, DynamicTree):
             return tree
         depth = self.drafter.draft_depth
         if depth is None:
             raise JaxspecError(
-                f"{tree.label} needs a drafter whose guesses do not depend on the path "
-                "(medusa, firp); this one drafts fixed trees: pick chain-N, comb-N-W or a "
-                "searched tree"
+                f"{tree.label} needs a drafter that chooses its nodes each step (medusa, "
+                "firp, chimera, eagle); this one drafts fixed trees: pick chain-N, comb-N-W "
+                "or a searched tree"
             )
         return tree.at_depth(depth)
 

@@ -173,3 +173,45 @@ def _chain_nodes(logits: jax.Array, norm: jax.Array, chains: jax.Array, known: j
     flat = lambda x: x.reshape(B, X * D)  # noqa: E731
     depths = jnp.broadcast_to(depth + 1, (B, X, D))
     return flat(score), flat(jnp.maximum(chains, 0)), flat(parent), flat(depths)
+
+
+def expand_frontier(score, token, tree: DynamicTree, expand, carry, above, keys, values) -> Draft:
+    """EAGLE-2's per-node expansion with static shapes, for drafters whose guesses depend on
+    the path. score, token [B,k]: the root's top-k guesses (log probabilities, tokens;
+    k = tree.width), every one in the first frontier. Each depth d = 2..tree.max_depth:
+
+        expand(d, paths [B,k,d-1], carry [B,k,...], above [B,k,E], keys, values [B,K,E,H])
+            -> (log probs [B,k,k], tokens [B,k,k] of the frontier nodes' top-k children,
+                the nodes' own entries keys, values [B,K,k,H], their carry [B,k,...])
+
+    for the frontier (the k best nodes of depth d-1 by path probability; `paths` their
+    tokens from depth 1, `above` which of the earlier entries are their ancestors, `carry`
+    what their parents handed down); then the k best children are the next frontier. The
+    tree is the N best of every node scored (best_of_pool)."""
+    B, k = score.shape
+    pool = [score], [token], [jnp.full((B, k), -1)], [jnp.ones((B, k), jnp.int32)]
+    front, paths = jnp.broadcast_to(jnp.arange(k), (B, k)), token[..., None]
+    for d in range(2, tree.max_depth + 1):
+        lp, guess, new_keys, new_values, carry = expand(d, paths, carry, above, keys, values)
+        keys = jnp.concatenate([keys, new_keys], 2)
+        values = jnp.concatenate([values, new_values], 2)
+        grown, guess = (score[:, :, None] + lp).reshape(B, k * k), guess.reshape(B, k * k)
+        offset = sum(x.shape[1] for x in pool[0])
+        pool[0].append(grown)
+        pool[1].append(guess)
+        pool[2].append(jnp.repeat(front, k, axis=1))
+        pool[3].append(jnp.full((B, k * k), d, jnp.int32))
+        score, best = jax.lax.top_k(grown, k)  # the next frontier
+        src = best // k  # [B,k] the frontier node each one hangs from
+        front = offset + best
+        paths = jnp.concatenate(
+            [_rows_of(paths, src), jnp.take_along_axis(guess, best, 1)[..., None]], -1
+        )
+        above = jnp.concatenate([_rows_of(above, src), src[..., None] == jnp.arange(k)], -1)
+        carry = jax.tree.map(lambda x, src=src: _rows_of(x, src), carry)
+    return best_of_pool(*(jnp.concatenate(x, 1) for x in pool), tree.n_nodes - 1)
+
+
+def _rows_of(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B,k,...] -> [B,k',...]: row index [B,k'] of each."""
+    return jnp.take_along_axis(x, index.reshape(*index.shape, *[1] * (x.ndim - 2)), 1)

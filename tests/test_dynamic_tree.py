@@ -95,7 +95,8 @@ PROMPTS = ["w5 w9 w7 w11", "w8 w30 w8"]
 
 
 @pytest.mark.parametrize("method, tree", [("medusa", "dynamic-8"), ("medusa", "dynamic-16-2-10"),
-                                          ("firp", "dynamic-8")])  # fmt: skip
+                                          ("firp", "dynamic-8"), ("chimera", "dynamic-8"),
+                                          ("chimera", "dynamic-12-2-6")])  # fmt: skip
 def test_dynamic_trees_decode_ars_tokens(model, drafters, method, tree):
     ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
     gen = jaxspec.Generator(model, method, drafter=drafters / method, tree=tree)
@@ -105,8 +106,8 @@ def test_dynamic_trees_decode_ars_tokens(model, drafters, method, tree):
 
 
 def test_drafters_of_fixed_trees_refuse_dynamic_ones(model, drafters):
-    with pytest.raises(JaxspecError, match="guesses do not depend on the path"):
-        jaxspec.Generator(model, "chimera", drafter=drafters / "chimera", tree="dynamic-8")
+    with pytest.raises(JaxspecError, match="chooses its nodes each step"):
+        jaxspec.Generator(model, "sdsat", drafter=drafters / "sdsat", tree="dynamic-8")
     with pytest.raises(JaxspecError, match="pseudo chains go on every node"):
         jaxspec.Generator(model, "firp", drafter=drafters / "firp", tree="dynamic-8",
                           firp_chains=2)  # fmt: skip
@@ -210,3 +211,33 @@ def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_guesses(model, drafte
     )
     with pytest.raises(JaxspecError, match=r"\+R .* applies to medusa, firp rows"):
         parse_row("chimera+2")
+
+
+@pytest.mark.parametrize("method", ["chimera", "eagle"])
+def test_per_node_expansion_of_one_guess_a_node_is_the_top1_chain(model, method):
+    """dynamic-4-3-1 (one guess a node: the frontier is the top-1 path) drafts exactly
+    the static chain-3's tokens (per-node expansion computes what static drafting does)."""
+    from jaxspec.decode import prefill_and_draft
+    from jaxspec.drafters.eagle import EagleDrafter
+    from jaxspec.sampling import Sampling
+    from tests.test_chimera import random_chimera
+    from tests.test_eagle import trained_like
+
+    cfg, params = model.cfg, model.params
+    if method == "chimera":
+        drafter, dparams = random_chimera(cfg, params, n_heads=3)
+    else:
+        drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+        dparams = trained_like(drafter, params, seed=3)
+    tokens = jnp.asarray([[5, 9, 7, 11, 5, 2], [8, 30, 8, 0, 0, 0]])
+    lengths = jnp.asarray([6, 3])
+    drafts = {}
+    for tree in ("chain-3", "dynamic-4-3-1"):
+        state = drafter.init_state(cfg, 2, 32, jnp.float32)
+        _, drafts[tree], _, _ = prefill_and_draft(
+            params, dparams, tokens, lengths, jax.random.key(0), state, cfg=cfg,
+            sampling=Sampling(), tree=tree_preset(tree), drafter=drafter,
+        )  # fmt: skip
+    dynamic = drafts["dynamic-4-3-1"]
+    np.testing.assert_array_equal(dynamic.tokens, drafts["chain-3"])
+    np.testing.assert_array_equal(dynamic.parent, [[0, 1, 2]] * 2)

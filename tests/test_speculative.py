@@ -217,6 +217,7 @@ def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
         ("comb-2-2", Sampling(0.9), "sdsat-one-forward"),
         ("dynamic-6-3-3", Sampling(1.0), "medusa"),
         ("dynamic-8-2-4", Sampling(0.8, top_p=0.9), "firp"),
+        ("dynamic-8-2-3", Sampling(0.9), "chimera"),
         ("cpu-8", Sampling(0.9), "eagle"),
         ("dynamic-8-3-3", Sampling(1.0, top_p=0.9), "eagle"),
     ],

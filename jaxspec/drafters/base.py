@@ -103,8 +103,9 @@ class Drafter:
 
     collect: tuple[int, ...] = ()
     drafts_from_cache: bool = False
-    # Depths of path-independent guesses `propose` can make (tree_candidates): such a
-    # drafter fills dynamic trees up to that depth; None: static trees only.
+    # The deepest dynamic tree `propose` fills: from path-independent guesses
+    # (tree_candidates: Medusa, FIRP) or by expanding node by node
+    # (topology.expand_frontier: Chimera, EAGLE); None: static trees only.
     draft_depth: int | None = None
 
     @classmethod

@@ -64,7 +64,8 @@ from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, write_rows
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
 from jaxspec.llama import decoder_layer, embed, final_norm, layer_kv, vocab_projection
-from jaxspec.tree import TreeSpec
+from jaxspec.topology import Draft, expand_frontier
+from jaxspec.tree import DynamicTree, TreeSpec
 
 BOTTOMS = ("ngram", "transformer", "transformer-frozen")
 # Slots past the model's cache length: a step writes its path and one more trigram.
@@ -159,6 +160,10 @@ class ChimeraDrafter(Drafter):
     @property
     def collect(self) -> tuple[int, ...]:
         return (self.cfg.n_layers,)
+
+    @property
+    def draft_depth(self) -> int:
+        return self.n_heads
 
     @classmethod
     def from_settings(cls, cfg: LlamaConfig, settings: ChimeraSettings, **options):
@@ -380,7 +385,57 @@ class ChimeraDrafter(Drafter):
             nodes = nodes.at[:, children].set(self.to_tokens(drafter_params, picked))
         return nodes[:, 1:], jnp.concatenate(logits, axis=1)
 
+    def draft_dynamic(self, params, dp, inputs: DraftInputs, tree: DynamicTree) -> Draft:
+        """Per-node expansion (EAGLE-2's, with Chimera's per-path drafting): the root's
+        top-`width` guesses, then depth by depth the `width` best nodes by path probability
+        (the frontier) run the encoder on their own n-grams, each seeing its ancestors'
+        entries, and head d+1 guesses their children; the tree is the N best of all."""
+        st, p = inputs.state, inputs.position
+        B, S = st.tokens.shape
+        n, k, K, H = self.ngram, tree.width, self.cfg.n_kv_heads, self.cfg.head_dim
+        enc = dp["encoder"]
+        context_k = jnp.concatenate([st.real_keys, st.trigram_keys], axis=2)  # [B,K,2S,H]
+        context_v = jnp.concatenate([st.real_values, st.trigram_values], axis=2)
+        before = jnp.arange(S)[None] < p[:, None]  # [B,S]: real h_j and committed T_j, j < p
+        context = jnp.concatenate([before, before], axis=1)[:, None]  # [B,1,2S]
+        h_real = inputs.hidden[self.cfg.n_layers]
+
+        def run(states, depth, above, ks, vs):
+            """Queries states [B,Q,D] at depth `depth`, their ancestors above [B,Q,E] among
+            the entries ks, vs [B,K,E,H] -> (outputs, their keys, values)."""
+            Q = states.shape[1]
+            itself = jnp.broadcast_to(jnp.eye(Q, dtype=bool), (B, Q, Q))
+            mask = jnp.concatenate([jnp.broadcast_to(context, (B, Q, 2 * S)), above, itself], -1)
+            positions = jnp.broadcast_to(p[:, None] + depth, (B, Q))
+            return decoder_layer(
+                self.cfg, enc, states, *rope_tables(self.cfg, positions),
+                jnp.concatenate([context_k, ks], 2), jnp.concatenate([context_v, vs], 2), mask,
+            )  # fmt: skip
+
+        def guesses(out, head):  # -> top-k log probabilities and tokens [B,Q,k]
+            h = jnp.broadcast_to(h_real[:, None], out.shape)
+            logits = self.head_logits(params, dp, h, out, head)
+            norm = jax.nn.logsumexp(logits, -1, keepdims=True)
+            lp, index = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
+            return lp - norm, self.to_tokens(dp, index)
+
+        empty = jnp.zeros((B, K, 0, H), jnp.float32)
+        out, ks, vs = run(st.newest[:, None], 0, jnp.zeros((B, 1, 0), bool), empty, empty)
+        score, token = (x[:, 0] for x in guesses(out, 1))  # [B,k]: depth 1
+        window = jnp.broadcast_to(trigram_tokens(st.tokens, p[:, None], n), (B, k, n))
+
+        def expand(d, paths, carry, above, ks, vs):
+            grams = jnp.concatenate([window, paths], -1)[..., -n:]  # [B,k,n] ending at each
+            states, _ = self.encode(params, dp, grams, st.table)
+            out, new_keys, new_values = run(states, d - 1, above, ks, vs)
+            return *guesses(out, d), new_keys, new_values, carry
+
+        # every node descends from the root's entry
+        return expand_frontier(score, token, tree, expand, None, jnp.ones((B, k, 1), bool), ks, vs)
+
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
+        if isinstance(tree, DynamicTree):
+            return self.draft_dynamic(params, drafter_params, inputs, tree)
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
         return self.draft_tree(params, drafter_params, inputs, tree)[0]

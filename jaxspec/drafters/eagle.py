@@ -42,7 +42,7 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
 from jaxspec.llama import decoder_layer, embed, vocab_projection
-from jaxspec.topology import Draft, best_of_pool
+from jaxspec.topology import Draft, expand_frontier
 from jaxspec.tree import DynamicTree, TreeSpec
 
 # Cache slots past the model's cache length (an entry is written at its token's position).
@@ -272,41 +272,24 @@ class EagleDrafter(Drafter):
 
     def draft_dynamic(self, params, dp, inputs: DraftInputs, tree: DynamicTree) -> Draft:
         """EAGLE-2: the root's top-`width` guesses, then depth by depth the `width` best
-        nodes by path probability (the frontier) expand their top-`width` guesses; the tree
-        is the N best nodes of all scored."""
+        nodes by path probability (the frontier) expand their top-`width` guesses, each
+        node's entry fed its parent's output; the tree is the N best nodes of all scored
+        (topology.expand_frontier)."""
         st, p = inputs.state, inputs.position
         B, k, K, H = p.shape[0], tree.width, self.cfg.n_kv_heads, self.cfg.head_dim
         score, token = self.guess_log_probs(params, dp, st.newest[:, None], k)
-        score, token = score[:, 0], token[:, 0]  # [B,k]: depth 1
-        pool = [score], [token], [jnp.full((B, k), -1)], [jnp.ones((B, k), jnp.int32)]
-        front_feature = jnp.broadcast_to(st.newest[:, None], (B, k, self.cfg.dim))
-        above = jnp.zeros((B, k, 0), bool)
-        ks = vs = jnp.zeros((B, K, 0, H), jnp.float32)
-        # the frontier: pool indices, path log probabilities, tokens, features
-        front, front_score, front_token = jnp.broadcast_to(jnp.arange(k), (B, k)), score, token
-        for d in range(2, tree.max_depth + 1):
-            y, kk, vv = self.expand(
-                params, dp, st, p, front_token, front_feature, jnp.full((B, k), d - 1), above,
-                ks, vs,
-            )  # fmt: skip
-            ks, vs = jnp.concatenate([ks, kk], 2), jnp.concatenate([vs, vv], 2)
-            lp, guess = self.guess_log_probs(params, dp, y, k)  # [B,k,k]
-            grown = (front_score[:, :, None] + lp).reshape(B, k * k)
-            guess = guess.reshape(B, k * k)
-            offset = sum(x.shape[1] for x in pool[0])
-            pool[0].append(grown)
-            pool[1].append(guess)
-            pool[2].append(jnp.repeat(front, k, axis=1))
-            pool[3].append(jnp.full((B, k * k), d, jnp.int32))
-            front_score, best = jax.lax.top_k(grown, k)  # the next frontier
-            src = best // k  # [B,k] the frontier node each one hangs from
-            front = offset + best
-            front_token = jnp.take_along_axis(guess, best, 1)
-            front_feature = jnp.take_along_axis(y, src[..., None], 1)
-            # [B,k,E+k]: the parent's ancestors and the parent
-            parent = src[..., None] == jnp.arange(k)
-            above = jnp.concatenate([jnp.take_along_axis(above, src[..., None], 1), parent], -1)
-        return best_of_pool(*(jnp.concatenate(x, 1) for x in pool), tree.n_nodes - 1)
+
+        def expand(d, paths, features, above, ks, vs):
+            depth = jnp.full((B, k), d - 1)
+            y, new_keys, new_values = self.expand(
+                params, dp, st, p, paths[:, :, -1], features, depth, above, ks, vs
+            )
+            return *self.guess_log_probs(params, dp, y, k), new_keys, new_values, y
+
+        features = jnp.broadcast_to(st.newest[:, None], (B, k, self.cfg.dim))  # the root's
+        empty = jnp.zeros((B, K, 0, H), jnp.float32)
+        return expand_frontier(score[:, 0], token[:, 0], tree, expand, features,
+                               jnp.zeros((B, k, 0), bool), empty, empty)  # fmt: skip
 
     def propose(self, params, drafter_params, tree, inputs, key):
         if isinstance(tree, DynamicTree):
