@@ -88,6 +88,9 @@ def test_random_drafter_is_lossless_on_the_default_model(models):
         ("chimera", "searched-16"),
         ("sdsat", None),
         ("sdsat", "comb-6-3"),
+        ("eagle", None),
+        ("eagle", "dynamic-16"),
+        ("chimera", "dynamic-16"),
     ],  # fmt: skip
 )
 def test_shipped_drafters_are_lossless_on_the_default_model(models, method, tree):

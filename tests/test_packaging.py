@@ -45,7 +45,7 @@ def test_wheel_namespaces_the_tools(wheel):
                    "tools/checkpoints_convert/cli.py", "drafters/settings.py"):  # fmt: skip
         assert f"jaxspec/{module}" in names
     shipped = [n for n in names if n.startswith("jaxspec/shipped_drafters/")]
-    for method in ("medusa", "firp", "chimera", "sdsat", "ppd"):
+    for method in ("medusa", "firp", "chimera", "sdsat", "ppd", "eagle"):
         for file in ("drafter.json", "drafter.safetensors", "CARD.md"):
             assert any(n.endswith(f"/{method}/{file}") for n in shipped), (method, file)
     entry = (
