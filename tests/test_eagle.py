@@ -171,7 +171,7 @@ def trained_eagle(tiny_ckpt, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("eagle")
     common = [*tiny_training_args(tiny_ckpt[0], tmp, save_every=2), "--rows", "6", "--ttt", "3",
-              "--depth", "3", "--draft-vocab", "40", "--overwrite"]  # fmt: skip
+              "--depth", "3", "--guess-vocab", "40", "--overwrite"]  # fmt: skip
     first, second = train_on_made_up_conversations(
         eagle, [*common, "--steps", "4"], [*common, "--steps", "6"]
     )

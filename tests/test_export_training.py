@@ -167,7 +167,7 @@ def eagle(tmp, monkeypatch) -> dict:
 
     monkeypatch.setattr(train.eagle, "layer_features", layer_features)
     trainer, manager, state = started(
-        train.eagle, train.eagle.Eagle, ["--ttt", "2", "--rows", "4", "--draft-vocab", "32"], tmp
+        train.eagle, train.eagle.Eagle, ["--ttt", "2", "--rows", "4", "--guess-vocab", "32"], tmp
     )
     step(trainer, state)
     with pytest.raises(Stop):

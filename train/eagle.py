@@ -58,10 +58,11 @@ def parse_args(argv):
         "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
     )
     p.add_argument(
-        "--draft-vocab",
+        "--guess-vocab",
         type=nonnegative_int,
         default=8192,
-        help="the drafter guesses among this many most frequent answer tokens (0: all)",
+        help="the drafter guesses (and trains) among this many most frequent answer tokens "
+        "(0: all)",
     )
     return parse(p, argv)
 
@@ -151,8 +152,8 @@ class Eagle(Trainer):
 
         self.train_f, self.test_f = load("train", args.train_seqs), load("test", args.test_seqs)
         self.vocab_ids = None
-        if args.draft_vocab:
-            ids = frequent_tokens(self.train_f, args.draft_vocab, tuple(cfg.eos_token_ids))
+        if args.guess_vocab:
+            ids = frequent_tokens(self.train_f, args.guess_vocab, tuple(cfg.eos_token_ids))
             self.vocab_ids = np.asarray(ids, np.int32)
         self.vocab = None if self.vocab_ids is None else draft_vocab(
             self.model.params, cfg, self.vocab_ids)  # fmt: skip
@@ -218,9 +219,9 @@ def card(args, cfg, drafter, report) -> str:
         for k, acc in enumerate(report["test_topk_accuracy"])
     )
     vocab = (
-        f"the {args.draft_vocab} most frequent answer tokens, covering "
+        f"the {args.guess_vocab} most frequent answer tokens, covering "
         f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
-        if args.draft_vocab
+        if args.guess_vocab
         else "the whole vocabulary"
     )
     return f"""# EAGLE-class drafter for {cfg.name}
