@@ -19,6 +19,7 @@ from jaxspec.device_bench import PARTS
 from jaxspec.device_bench.campaign import TimeCap, time_cap
 from jaxspec.device_bench.device import bandwidth
 from jaxspec.device_bench.end_to_end import (
+    DYNAMIC,
     LOOKUP_32,
     PLAIN,
     SEARCHED,
@@ -67,6 +68,7 @@ def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
     assert spec[(SEARCHED, f"medusa@{SEARCHED}")]["tree"] == SEARCHED
     assert {(PLAIN, "ar"), (PLAIN, "medusa")} <= set(spec)  # one bfloat16 pass everywhere
     assert "no searched-32 tree" in spec[(SEARCHED, f"sdsat@{SEARCHED}")]["skipped"]
+    assert {row for group, row in spec if group == DYNAMIC} == {"ar", f"medusa@{DYNAMIC}"}
     for row in spec.values():
         if "skipped" not in row:
             assert row["tokens_per_s"] > 0 and 0 <= row["match_ar"] <= 1
@@ -131,6 +133,8 @@ def test_rows_of_the_shipped_drafters_and_what_is_missing(tmp_path):
     assert "no chimera drafter" in default["chimera"]["skipped"]
     assert default["ppd"]["tree"] == "" and default["medusa"]["tree"]
     assert default["lookup"]["tree"] and "skipped" not in default["lookup"]  # no folder needed
+    dynamic = [row["row"] for row in groups[DYNAMIC]]  # the drafters that fill dynamic trees
+    assert dynamic == [f"{m}@{DYNAMIC}" for m in ("medusa", "firp", "chimera", "eagle")]
     lookup = groups[SEARCHED].pop(5)
     assert lookup == {"row": f"lookup@{LOOKUP_32}", "tree": LOOKUP_32}
     assert tree_preset(LOOKUP_32).n_nodes == 33

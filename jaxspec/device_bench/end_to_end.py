@@ -29,9 +29,11 @@ from jaxspec.tree import search_tree
 
 SEARCHED = "searched-32"
 LOOKUP_32 = "comb-8-4"  # lookup's row in the SEARCHED group (33 nodes; it has no searched tree)
+DYNAMIC = "dynamic-32"  # the drafters that choose their nodes each step, at 32 nodes
 PLAIN = "default, plain products"  # the default rows, AR included, multiplying bfloat16
 # weights in one pass everywhere (decode.PRODUCTS): their speed, and whether match_ar holds
-GROUPS = ("default", SEARCHED, PLAIN)  # the rows: each method at its default tree; at SEARCHED
+# the rows: each method at its default tree; at SEARCHED; at DYNAMIC; PLAIN
+GROUPS = ("default", SEARCHED, DYNAMIC, PLAIN)
 # The fields of a bench row the campaign keeps.
 KEPT = ("tokens_per_s", "speedup", "mean_accepted", "match_ar", "new_tokens", "seconds")
 
@@ -52,7 +54,8 @@ def open_model(src: Path | None):
 def bench_rows(cfg, drafters: dict[str, Path], methods=METHODS[1:]) -> dict[str, list[dict]]:
     """Each method with its drafter folder (drafters[method], else the shipped one) ->
     group -> its rows {"row", "tree"}, or {"row", "skipped": why} for a method without a
-    drafter here or a drafter that ships no SEARCHED tree. PPD (no tree) is in "default"."""
+    drafter here or a drafter that ships no SEARCHED tree. PPD (no tree) is in "default";
+    the drafters that choose their nodes each step are in DYNAMIC too."""
     groups = {g: [] for g in GROUPS}
     for name in methods:
         folder = drafters.get(name) or DRAFTERS_DIR / cfg.name / name
@@ -62,10 +65,15 @@ def bench_rows(cfg, drafters: dict[str, Path], methods=METHODS[1:]) -> dict[str,
             groups["default"].append({"row": name, "tree": default_tree(settings)})
             groups[SEARCHED].append({"row": f"{name}@{LOOKUP_32}", "tree": LOOKUP_32})
             continue
+        dynamic = {"row": f"{name}@{DYNAMIC}", "tree": DYNAMIC}
+        m = method(name)  # PPD has no Drafter; one with a draft_depth fills dynamic trees
+        fills_dynamic = m.drafter is not None and m.drafter_class().draft_depth is not None
         if not (folder / META).is_file():
             groups["default"].append({"row": name, "skipped": f"no {name} drafter at {folder}"})
             if method(name).tree:
                 groups[SEARCHED].append({**searched, "skipped": f"no {name} drafter"})
+            if fills_dynamic:
+                groups[DYNAMIC].append({**dynamic, "skipped": f"no {name} drafter"})
             continue
         settings, _ = read_settings(folder, name)
         tree = default_tree(settings) if method(name).tree else ""
@@ -76,6 +84,8 @@ def bench_rows(cfg, drafters: dict[str, Path], methods=METHODS[1:]) -> dict[str,
             own = ", ".join(settings.trees) or "none"
             searched["skipped"] = f"the drafter ships no {SEARCHED} tree (its own: {own})"
         groups[SEARCHED].append(searched)
+        if fills_dynamic:
+            groups[DYNAMIC].append(dynamic)
     # PPD's pipeline has its own programs, always exact
     groups[PLAIN] = [row for row in groups["default"] if method(row["row"]).tree]
     return groups
@@ -208,6 +218,7 @@ def tiny_drafters(checkpoint: Path, folder: Path) -> dict[str, Path]:
     its row is skipped as on the device) -> method: folder."""
     from jaxspec.checkpoint import load_checkpoint
     from jaxspec.drafters.chimera import ChimeraSettings
+    from jaxspec.drafters.eagle import EagleSettings, fused_layers
     from jaxspec.drafters.firp import FirpSettings
     from jaxspec.drafters.medusa import MedusaSettings
     from jaxspec.drafters.sdsat import SdsatSettings
@@ -221,6 +232,7 @@ def tiny_drafters(checkpoint: Path, folder: Path) -> dict[str, Path]:
         "firp": FirpSettings(layers=(1, 2), trees=trees),
         "chimera": ChimeraSettings(n_heads=2, trees=trees),
         "sdsat": SdsatSettings(rank=2),
+        "eagle": EagleSettings(layers=fused_layers(cfg), depth=3, trees=trees),
     }
     out = {}
     for name, s in settings.items():
