@@ -243,7 +243,7 @@ def test_load_drafter(model, drafters):
     assert settings == SETTINGS["medusa"] and data == {}
     heads = params["heads"] if isinstance(params, dict) else params
     assert [h["w"].shape for h in heads] == [(model.cfg.dim, model.cfg.dim)] * 2
-    for bad, message in [("ar", "no drafter"), ("eagle", "unknown")]:
+    for bad, message in [("ar", "no drafter"), ("hydra", "unknown")]:
         with pytest.raises(jaxspec.JaxspecError, match=message):
             jaxspec.load_drafter(model, bad, drafters / "medusa")
     with pytest.raises(jaxspec.JaxspecError, match="'firp' drafter, not 'medusa'"):
@@ -252,7 +252,7 @@ def test_load_drafter(model, drafters):
 
 def test_bad_generator_options_fail_at_construction(model, drafters):
     with pytest.raises(jaxspec.JaxspecError, match="unknown"):
-        jaxspec.Generator(model, "eagle")
+        jaxspec.Generator(model, "hydra")
     with pytest.raises(jaxspec.JaxspecError, match="no drafter"):
         jaxspec.Generator(model, "medusa", drafter=drafters / "nowhere")
     with pytest.raises(jaxspec.JaxspecError, match="tree"):
