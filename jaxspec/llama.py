@@ -193,6 +193,14 @@ def vocab_projection(params: Params, cfg: LlamaConfig, x: jax.Array) -> jax.Arra
     return dense(x, params["lm_head"])
 
 
+def draft_vocab(params: Params, cfg: LlamaConfig, ids) -> dict:
+    """Token ids [V'] -> {"ids", "matrix" [V',D]}: their rows of the output projection, for
+    drafters that guess among a draft vocabulary only."""
+    ids = jnp.asarray(ids, jnp.int32)
+    lm = params["embed_tokens"] if cfg.tie_embeddings else params["lm_head"].T  # [V,D]
+    return {"ids": ids, "matrix": jnp.take(lm, ids, axis=0)}
+
+
 def lm_logits(params: Params, cfg: LlamaConfig, h: jax.Array) -> jax.Array:
     """Final norm and output projection: h [B,T,D] -> logits [B,T,V] in float32."""
     return vocab_projection(params, cfg, final_norm(params, cfg, h))

@@ -175,6 +175,15 @@ def _chain_nodes(logits: jax.Array, norm: jax.Array, chains: jax.Array, known: j
     return flat(score), flat(jnp.maximum(chains, 0)), flat(parent), flat(depths)
 
 
+def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """logits [...,V] -> the top-k guesses' log probabilities and indices [...,k]. The
+    barrier keeps the TopK a TopK: beside other TopKs in one program XLA:CPU otherwise
+    rewrites it into a full sort of the vocabulary."""
+    norm = jax.nn.logsumexp(logits, -1, keepdims=True)
+    lp, index = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
+    return lp - norm, index
+
+
 def expand_frontier(score, token, tree: DynamicTree, expand, carry, above, keys, values) -> Draft:
     """EAGLE-2's per-node expansion with static shapes, for drafters whose guesses depend on
     the path. score, token [B,k]: the root's top-k guesses (log probabilities, tokens;

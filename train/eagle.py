@@ -29,19 +29,18 @@ from jaxspec.drafters.eagle import (
     DEFAULT_DEPTH,
     EagleDrafter,
     EagleSettings,
-    draft_vocab,
     fused_layers,
     shifted,
     training_outputs,
 )
 from jaxspec.errors import JaxspecError
-from jaxspec.llama import lm_logits
+from jaxspec.llama import draft_vocab, lm_logits
 from jaxspec.tree import searched_trees
 
 from . import skeleton
 from .args import parse, trainer_parser
 from .checkpoints import command_flags, started_from
-from .chimera import frequent_tokens, row_range
+from .chimera import frequent_tokens, row_range, sample_rows
 from .features import layer_features
 from .optim import apply_grads
 from .skeleton import Result, Trainer
@@ -166,8 +165,7 @@ class Eagle(Trainer):
         args = self.args
         rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
         seqs = rng.integers(0, len(self.train_f["tokens"]), args.batch)
-        rows = np.stack([rng.integers(*row_range(self.train_f, n, args.ttt), args.rows)
-                         for n in seqs])  # fmt: skip
+        rows = sample_rows(self.train_f, seqs, args.rows, args.ttt, rng)
         fused3, last = fused_and_last(self.train_f, seqs, self.drafter.layers)
         return train_step(
             state, self.model.params, jnp.asarray(self.train_f["tokens"][seqs]), fused3, last,

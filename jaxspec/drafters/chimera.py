@@ -63,8 +63,15 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, write_rows
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
-from jaxspec.llama import decoder_layer, embed, final_norm, layer_kv, vocab_projection
-from jaxspec.topology import Draft, expand_frontier
+from jaxspec.llama import (
+    decoder_layer,
+    draft_vocab,
+    embed,
+    final_norm,
+    layer_kv,
+    vocab_projection,
+)
+from jaxspec.topology import Draft, expand_frontier, top_log_probs
 from jaxspec.tree import DynamicTree, TreeSpec
 
 BOTTOMS = ("ngram", "transformer", "transformer-frozen")
@@ -219,9 +226,7 @@ class ChimeraDrafter(Drafter):
             drafter_params = {**drafter_params, "cache_table": table}
         if not len(data.get("draft_vocab", ())) or self.full_heads:
             return drafter_params
-        ids = jnp.asarray(data["draft_vocab"], jnp.int32)
-        lm = params["embed_tokens"] if self.cfg.tie_embeddings else params["lm_head"].T  # [V,D]
-        return {**drafter_params, "vocab": {"ids": ids, "matrix": jnp.take(lm, ids, axis=0)}}
+        return {**drafter_params, "vocab": draft_vocab(params, self.cfg, data["draft_vocab"])}
 
     def prefilled_table(self, params, drafter_params, grams) -> jax.Array:
         """grams [N,n] token ids, most frequent first -> a cache table [C,D+n] holding their
@@ -414,10 +419,8 @@ class ChimeraDrafter(Drafter):
 
         def guesses(out, head):  # -> top-k log probabilities and tokens [B,Q,k]
             h = jnp.broadcast_to(h_real[:, None], out.shape)
-            logits = self.head_logits(params, dp, h, out, head)
-            norm = jax.nn.logsumexp(logits, -1, keepdims=True)
-            lp, index = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
-            return lp - norm, self.to_tokens(dp, index)
+            lp, index = top_log_probs(self.head_logits(params, dp, h, out, head), k)
+            return lp, self.to_tokens(dp, index)
 
         empty = jnp.zeros((B, K, 0, H), jnp.float32)
         out, ks, vs = run(st.newest[:, None], 0, jnp.zeros((B, 1, 0), bool), empty, empty)

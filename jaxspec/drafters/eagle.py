@@ -41,8 +41,8 @@ from jaxspec.drafters.base import Drafter, DraftInputs
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
-from jaxspec.llama import decoder_layer, embed, vocab_projection
-from jaxspec.topology import Draft, expand_frontier
+from jaxspec.llama import decoder_layer, draft_vocab, embed, vocab_projection
+from jaxspec.topology import Draft, expand_frontier, top_log_probs
 from jaxspec.tree import DynamicTree, TreeSpec
 
 # Cache slots past the model's cache length (an entry is written at its token's position).
@@ -231,11 +231,8 @@ class EagleDrafter(Drafter):
 
     def guess_log_probs(self, params, drafter_params, y, k: int):
         """Outputs [B,Q,D] -> the top-k guesses per node: (log probabilities, token ids)."""
-        logits = self.logits(params, drafter_params, y)
-        norm = jax.nn.logsumexp(logits, -1, keepdims=True)
-        # A barrier keeps each TopK a TopK (XLA:CPU otherwise sorts the vocabulary).
-        lp, index = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
-        return lp - norm, self.to_tokens(drafter_params, index)
+        lp, index = top_log_probs(self.logits(params, drafter_params, y), k)
+        return lp, self.to_tokens(drafter_params, index)
 
     def draft_static(self, params, dp, inputs: DraftInputs, tree: TreeSpec) -> jax.Array:
         """-> candidates [B,T-1]: every node with children expands them, depth by depth."""
@@ -297,13 +294,6 @@ class EagleDrafter(Drafter):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
         return self.draft_static(params, drafter_params, inputs, tree)
-
-
-def draft_vocab(base_params, cfg: LlamaConfig, ids) -> dict:
-    """Token ids [V'] -> {"ids", "matrix" [V',D]}: their rows of the model's lm_head."""
-    ids = jnp.asarray(ids, jnp.int32)
-    lm = base_params["embed_tokens"] if cfg.tie_embeddings else base_params["lm_head"].T
-    return {"ids": ids, "matrix": jnp.take(lm, ids, axis=0)}
 
 
 def shifted(fused: jax.Array) -> jax.Array:
