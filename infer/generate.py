@@ -71,8 +71,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--retrieval",
         type=positive_int,
-        help="medusa, firp with a dynamic-N tree: N-node budget shared with this many "
-        "continuations found in the prompt and output (lookup's), scored by the drafter",
+        help="medusa, firp, chimera, eagle with a dynamic-N tree: N-node budget shared with "
+        "this many continuations found in the prompt and output (lookup's), scored by their "
+        "own measured confidence or the drafter's probability, whichever is higher",
     )
     p.add_argument(
         "--sdsat-loop",

@@ -35,8 +35,9 @@ class Generator:
     one the drafter ships (None: the method's default for this backend); max_len: cache
     length limit (None: the model's context); products: how bfloat16 weights multiply,
     "exact" (default), "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS). ppd_k /
-    ppd_layer, firp_chains, sdsat_loop and retrieval (medusa and firp with a dynamic tree:
-    that many of lookup's continuations join its candidates) are those methods' options
+    ppd_layer, firp_chains, sdsat_loop and retrieval (medusa, firp, chimera and eagle with a
+    dynamic tree: that many of lookup's continuations join its candidates, scored by the
+    higher of their own confidence and the drafter's) are those methods' options
     (see `jaxspec-generate --help`). PPD pipelines over ppd_k + 1 devices; with fewer (a CPU
     process has one unless XLA_FLAGS=--xla_force_host_platform_device_count=4 is set before
     jax starts; `import jaxspec` does not start it) its sub-processes share them: the same

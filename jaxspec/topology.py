@@ -82,18 +82,27 @@ def tree_topology(current: jax.Array, candidates, tree) -> tuple[jax.Array, Topo
     return tokens, parent_topology(parent, depth, tree.max_depth, tree.width)
 
 
-def select_nodes(logits: jax.Array, tree: DynamicTree, extra: jax.Array | None = None) -> Draft:
+@flax.struct.dataclass
+class Retrieved:
+    """Retrieved continuations offered to a dynamic tree: tokens [B,X,D] (-1 unknown) and
+    score [B,X,D], each node's own log confidence that its path is right (from its match:
+    drafters.retrieval; non-increasing along a chain; -inf: none of its own)."""
+
+    tokens: jax.Array
+    score: jax.Array
+
+
+def select_nodes(logits: jax.Array, tree: DynamicTree, extra: Retrieved | None = None) -> Draft:
     """Per-depth guesses logits [B,K,V] (K >= depth; guesses at depth d do not depend on
     the path, as Medusa heads' and FIRP's) -> the N nodes of highest path probability (the
     product of the drafter's probabilities along the path) among the paths of top-`width`
-    guesses up to tree.max_depth, and the paths of `extra` [B,X,D] token chains (retrieved
-    continuations, -1 where unknown), scored by the same probabilities.
+    guesses up to tree.max_depth, and the paths of `extra`'s chains, each scored by the
+    higher of the drafter's path probability and its own confidence (merge_chains).
 
     Depth by depth only the N best of each depth can have chosen children, so each depth
     keeps its N best; then the N best of all are the tree (a path's probability never
     exceeds its parent's: ties go to the earlier node, parents before children, so every
-    chosen node's parent is chosen). An extra chain's node that repeats a path already
-    there is left out, and its chain continues from that path's node."""
+    chosen node's parent is chosen)."""
     B, N, D, k = logits.shape[0], tree.n_nodes - 1, tree.max_depth, tree.width
     logits = logits[:, :D].astype(jnp.float32)
     norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B,D,1]
@@ -118,11 +127,49 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: jax.Array | None =
         depths.append(jnp.full_like(index, d + 1))
         scores.append(score)
         offset += M
-    pool = [jnp.concatenate(x, axis=1) for x in (scores, tokens, parents, depths)]
+    pool = tuple(jnp.concatenate(x, axis=1) for x in (scores, tokens, parents, depths))
     if extra is not None:
-        pool = [jnp.concatenate(x, axis=1) for x in zip(pool, _chain_nodes(
-            logits, norm, extra, jnp.concatenate(paths, axis=1)), strict=True)]  # fmt: skip
+        chains = extra.tokens
+        at = jnp.maximum(chains, 0).transpose(0, 2, 1)  # [B,D,X]
+        lp = (jnp.take_along_axis(logits, at, axis=2) - norm).transpose(0, 2, 1)  # [B,X,D]
+        drafter = jnp.cumsum(lp, axis=2)
+        pool = merge_chains(pool, jnp.concatenate(paths, 1), chains,
+                            jnp.maximum(drafter, extra.score))  # fmt: skip
     return best_of_pool(*pool, N)
+
+
+def merge_chains(pool, known: jax.Array, chains: jax.Array, score: jax.Array):
+    """pool: candidate nodes (score, token, parent, depth), each [B,M] (best_of_pool's),
+    known [B,M,D] their paths (-1 past each node's depth); chains [B,X,D] (-1 unknown)
+    with their nodes' scores [B,X,D] (non-increasing along a chain) -> the pool with the
+    chains' nodes appended (x-major, then depth). A chain node whose path is a pool node's
+    or an earlier chain's is left out (-inf) and lends that node its score if higher; the
+    next node of its chain hangs from that node. A node past an unknown token scores -inf.
+    Every node still scores at most its parent (whose path is a prefix of its own)."""
+    B, X, D = chains.shape
+    M = known.shape[1]
+    chains = chains.astype(jnp.int32)
+    score = jnp.where(jnp.cumprod(chains >= 0, axis=2) > 0, score, -jnp.inf)
+    depth = jnp.arange(D)
+    upto = depth[:, None] >= depth[None, :]  # [d,j]: token j is on the path of depth d
+    own = jnp.where(upto, chains[:, :, None, :], -1).reshape(B, X * D, D)  # each node's path
+    same_known = jnp.all(own[:, :, None] == known[:, None], axis=-1)  # [B,X*D,M]
+    same_chain = jnp.all(own[:, :, None] == own[:, None], axis=-1)  # [B,X*D,X*D]
+    earlier = jnp.arange(X * D)[:, None] > jnp.arange(X * D)[None]
+    in_known = same_known.any(-1)
+    repeat = in_known | jnp.any(same_chain & earlier, axis=-1)  # [B,X*D]
+    # each chain node's place in the pool: the known node, the first chain with its path,
+    # or itself
+    first_chain = jnp.argmax(same_chain, axis=-1)  # the earliest equal (itself at least)
+    place = jnp.where(in_known, jnp.argmax(same_known, axis=-1), M + first_chain)
+    parent = jnp.concatenate([jnp.full((B, X, 1), -1), place.reshape(B, X, D)[:, :, :-1]], 2)
+    flat = lambda x: x.reshape(B, X * D)  # noqa: E731
+    scores = jnp.concatenate([pool[0], jnp.where(repeat, -jnp.inf, flat(score))], axis=1)
+    scores = scores.at[jnp.arange(B)[:, None], place].max(flat(score))
+    depths = jnp.broadcast_to(depth + 1, (B, X, D))
+    added = (flat(jnp.maximum(chains, 0)), flat(parent), flat(depths))
+    return (scores, *(jnp.concatenate([a, b.astype(a.dtype)], axis=1)
+                      for a, b in zip(pool[1:], added, strict=True)))  # fmt: skip
 
 
 def best_of_pool(score, token, parent, depth, n: int) -> Draft:
@@ -142,39 +189,6 @@ def best_of_pool(score, token, parent, depth, n: int) -> Draft:
     return Draft(pick(token).astype(jnp.int32), node_parent.astype(jnp.int32), pick(depth))
 
 
-def _chain_nodes(logits: jax.Array, norm: jax.Array, chains: jax.Array, known: jax.Array):
-    """Extra chains [B,X,D] (-1 unknown), scored by logits [B,D,V] - norm [B,D,1], beside
-    the guessed nodes' paths known [B,P,D]
-    (-1 past each node's depth) -> pool entries of the chains' nodes, x-major then by
-    depth: (scores, tokens, parents, depths), each [B,X*D]. A node whose path is known
-    already, or is an earlier chain's, gets score -inf; the next node of its chain hangs
-    from that path's node; so does one after an unknown token (-inf too)."""
-    B, X, D = chains.shape
-    P = known.shape[1]
-    depth = jnp.arange(D)
-    at = jnp.maximum(chains, 0).transpose(0, 2, 1)  # [B,D,X]
-    lp = jnp.take_along_axis(logits, at, axis=2) - norm
-    lp = jnp.where(chains.transpose(0, 2, 1) >= 0, lp, -jnp.inf)
-    score = jnp.cumsum(lp, axis=1).transpose(0, 2, 1)  # [B,X,D]
-    upto = depth[:, None] >= depth[None, :]  # [d,j]: token j is on the path of depth d
-    own = jnp.where(upto, chains[:, :, None, :], -1).reshape(B, X * D, D)  # each node's path
-    same_known = jnp.all(own[:, :, None] == known[:, None], axis=-1)  # [B,X*D,P]
-    same_chain = jnp.all(own[:, :, None] == own[:, None], axis=-1)  # [B,X*D,X*D]
-    earlier = jnp.arange(X * D)[:, None] > jnp.arange(X * D)[None]
-    in_known = same_known.any(-1)
-    repeat = in_known | jnp.any(same_chain & earlier, axis=-1)
-    # each chain node's place in the pool: the known node, the first chain with its path,
-    # or itself
-    first_chain = jnp.argmax(same_chain, axis=-1)  # the earliest equal (itself at least)
-    place = jnp.where(in_known, jnp.argmax(same_known, axis=-1), P + first_chain)
-    place = place.reshape(B, X, D)
-    parent = jnp.concatenate([jnp.full((B, X, 1), -1), place[:, :, :-1]], axis=2)
-    score = jnp.where(repeat.reshape(B, X, D), -jnp.inf, score)
-    flat = lambda x: x.reshape(B, X * D)  # noqa: E731
-    depths = jnp.broadcast_to(depth + 1, (B, X, D))
-    return flat(score), flat(jnp.maximum(chains, 0)), flat(parent), flat(depths)
-
-
 def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """logits [...,V] -> the top-k guesses' log probabilities and indices [...,k]. The
     barrier keeps the TopK a TopK: beside other TopKs in one program XLA:CPU otherwise
@@ -184,7 +198,9 @@ def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return lp - norm, index
 
 
-def expand_frontier(score, token, tree: DynamicTree, expand, carry, above, keys, values) -> Draft:
+def expand_frontier(
+    score, token, tree: DynamicTree, expand, carry, above, keys, values, extra=None
+) -> Draft:
     """EAGLE-2's per-node expansion with static shapes, for drafters whose guesses depend on
     the path. score, token [B,k]: the root's top-k guesses (log probabilities, tokens;
     k = tree.width), every one in the first frontier. Each depth d = 2..tree.max_depth:
@@ -196,11 +212,14 @@ def expand_frontier(score, token, tree: DynamicTree, expand, carry, above, keys,
     for the frontier (the k best nodes of depth d-1 by path probability; `paths` their
     tokens from depth 1, `above` which of the earlier entries are their ancestors, `carry`
     what their parents handed down); then the k best children are the next frontier. The
-    tree is the N best of every node scored (best_of_pool)."""
+    tree is the N best of every node scored (best_of_pool), and of `extra`'s chains by
+    their own scores (merge_chains: the drafter scores only the paths it expanded)."""
     B, k = score.shape
+    D = tree.max_depth
     pool = [score], [token], [jnp.full((B, k), -1)], [jnp.ones((B, k), jnp.int32)]
     front, paths = jnp.broadcast_to(jnp.arange(k), (B, k)), token[..., None]
-    for d in range(2, tree.max_depth + 1):
+    known = [paths]  # every pool node's path [B,k or k*k,d]
+    for d in range(2, D + 1):
         lp, guess, new_keys, new_values, carry = expand(d, paths, carry, above, keys, values)
         keys = jnp.concatenate([keys, new_keys], 2)
         values = jnp.concatenate([values, new_values], 2)
@@ -210,6 +229,7 @@ def expand_frontier(score, token, tree: DynamicTree, expand, carry, above, keys,
         pool[1].append(guess)
         pool[2].append(jnp.repeat(front, k, axis=1))
         pool[3].append(jnp.full((B, k * k), d, jnp.int32))
+        known.append(jnp.concatenate([jnp.repeat(paths, k, axis=1), guess[..., None]], -1))
         score, best = jax.lax.top_k(grown, k)  # the next frontier
         src = best // k  # [B,k] the frontier node each one hangs from
         front = offset + best
@@ -218,7 +238,12 @@ def expand_frontier(score, token, tree: DynamicTree, expand, carry, above, keys,
         )
         above = jnp.concatenate([_rows_of(above, src), src[..., None] == jnp.arange(k)], -1)
         carry = jax.tree.map(lambda x, src=src: _rows_of(x, src), carry)
-    return best_of_pool(*(jnp.concatenate(x, 1) for x in pool), tree.n_nodes - 1)
+    pool = tuple(jnp.concatenate(x, 1) for x in pool)
+    if extra is not None:
+        padded = [jnp.pad(x, ((0, 0), (0, 0), (0, D - x.shape[2])), constant_values=-1)
+                  for x in known]  # fmt: skip
+        pool = merge_chains(pool, jnp.concatenate(padded, 1), extra.tokens, extra.score)
+    return best_of_pool(*pool, tree.n_nodes - 1)
 
 
 def _rows_of(x: jax.Array, index: jax.Array) -> jax.Array:

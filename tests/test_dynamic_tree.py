@@ -14,7 +14,14 @@ import pytest
 import jaxspec
 from jaxspec import export
 from jaxspec.errors import JaxspecError
-from jaxspec.topology import parent_topology, select_nodes, static_topology, tree_topology
+from jaxspec.topology import (
+    Retrieved,
+    expand_frontier,
+    parent_topology,
+    select_nodes,
+    static_topology,
+    tree_topology,
+)
 from jaxspec.tree import DynamicTree, tree_preset
 from tests.test_api import write_drafters
 
@@ -153,64 +160,149 @@ def test_a_retrieved_chain_wins_nodes_by_the_drafters_own_scores():
     tree = DynamicTree(3, 2, 1)
     assert chosen_paths(select_nodes(logits, tree), 0) == [(1,), (1, 5)]
     chains = jnp.array([[[2, 5], [-1, -1]]])  # [B,X,D]
-    assert chosen_paths(select_nodes(logits, tree, chains), 0) == [(1,), (2,)]
+    none = jnp.full(chains.shape, -jnp.inf)  # no confidence of their own
+    assert chosen_paths(select_nodes(logits, tree, Retrieved(chains, none)), 0) == [(1,), (2,)]
+    # its own confidence (log 0.9, 0.9 * 0.8: above the drafter's ~0.5) takes both places
+    sure = jnp.log(jnp.array([[[0.9, 0.72], [0.9, 0.72]]]))
+    assert chosen_paths(select_nodes(logits, tree, Retrieved(chains, sure)), 0) == [(2,), (2, 5)]
 
 
-@pytest.mark.parametrize("seed", range(4))
+def chain_scores(rng, X: int, D: int) -> np.ndarray:
+    """Random own scores [1,X,D], non-increasing along each chain; some chains none."""
+    own = np.cumsum(np.log(rng.uniform(0.05, 1.0, (1, X, D))), axis=2)
+    own[0, rng.random(X) < 0.3] = -np.inf
+    return own.astype(np.float32)
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_chosen_nodes_are_the_best_of_guesses_and_retrieved_paths(seed):
-    """Random guesses and chains (one repeating a guessed path): the chosen paths are
-    distinct, each a guessed path or a chain's prefix, and the N best of their union by
-    the drafter's path probability."""
+    """Random guesses and chains (one repeating a guessed path, one known a token ahead)
+    with random own scores: the chosen paths are distinct, each a guessed path or a
+    chain's prefix, and the N best of their union, a path scoring the higher of the
+    drafter's path probability and the best own score of a chain node on it."""
     N, D, k, V = 9, 3, 2, 6
     key = jax.random.key(seed)
+    rng = np.random.default_rng(seed)
     logits = 2.0 * jax.random.normal(key, (1, D, V))
     logp = np.asarray(jax.nn.log_softmax(logits, -1))[0]
     top = np.argsort(-logp, axis=-1)[:, :k]
     chains = np.array(jax.random.randint(jax.random.fold_in(key, 1), (1, 3, D), 0, V))
     chains[0, 0] = top[np.arange(D), 0]  # the best guessed path, retrieved again
     chains[0, 2, 1:] = -1  # known only one token ahead
-    draft = select_nodes(logits, DynamicTree(N + 1, D, k), jnp.asarray(chains))
+    own = chain_scores(rng, 3, D) if seed % 3 else np.full((1, 3, D), -np.inf, np.float32)
+    draft = select_nodes(logits, DynamicTree(N + 1, D, k),
+                         Retrieved(jnp.asarray(chains), jnp.asarray(own)))  # fmt: skip
     paths = chosen_paths(draft, 0)
     assert len(set(paths)) == N
+    mine = {}  # path -> the best own score a chain gives it
+    for x, chain in enumerate(chains[0].tolist()):
+        for n in range(D):
+            if -1 not in chain[: n + 1]:
+                path = tuple(chain[: n + 1])
+                mine[path] = max(mine.get(path, -np.inf), own[0, x, n])
 
     def score(path):
-        return sum(logp[d, t] for d, t in enumerate(path))
+        return max(sum(logp[d, t] for d, t in enumerate(path)), mine.get(path, -np.inf))
 
     guessed = {tuple(top[d, r] for d, r in enumerate(ranks)) for n in range(1, D + 1)
                for ranks in itertools.product(range(k), repeat=n)}  # fmt: skip
-    prefixes = [tuple(c[: n + 1]) for c in chains[0].tolist() for n in range(D)]
-    retrieved = {p for p in prefixes if -1 not in p}
-    union = guessed | retrieved
+    union = guessed | set(mine)
     assert set(paths) <= union
     best = sorted((score(p) for p in union), reverse=True)[:N]
     np.testing.assert_allclose(sorted(map(score, paths), reverse=True), best, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["medusa", "firp"])
+def toy_expansion(table: jax.Array, k: int):
+    """A drafter for expand_frontier whose guesses after a path depend on its last token:
+    log-probability table [V,V] -> (the root's top-k, expand)."""
+    lp_of = jax.nn.log_softmax(table, -1)
+
+    def expand(d, paths, carry, above, keys, values):
+        lp, token = jax.lax.top_k(lp_of[paths[:, :, -1]], k)  # [B,k,k]
+        B = paths.shape[0]
+        empty = jnp.zeros((B, 1, k, 1))
+        return lp, token, empty, empty, carry
+
+    score, token = jax.lax.top_k(lp_of[:1], k)  # the root is token 0
+    return score, token, expand
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_node_expansion_takes_confident_retrieved_chains(seed):
+    """expand_frontier with chains: without own scores the tree is the drafter's alone; a
+    chain certain of itself (score 0 = probability 1) is in the tree whole, the other
+    places go to the drafter's best nodes, and every parent comes before its children."""
+    N, D, k, V = 10, 4, 3, 12
+    table = 3.0 * jax.random.normal(jax.random.key(seed), (V, V))
+    score, token, expand = toy_expansion(table, k)
+    tree = DynamicTree(N + 1, D, k)
+    empty = jnp.zeros((1, 1, 0, 1))
+
+    def run(extra):
+        front = jnp.zeros((1, k, 0), bool)
+        return expand_frontier(score, token, tree, expand, None, front, empty, empty, extra)
+
+    alone = chosen_paths(run(None), 0)
+    chains = jnp.asarray(np.random.default_rng(seed).integers(0, V, (1, 2, D)))
+    ignored = run(Retrieved(chains, jnp.full((1, 2, D), -jnp.inf)))
+    assert chosen_paths(ignored, 0) == alone
+    sure = run(Retrieved(chains, jnp.zeros((1, 2, D)).at[0, 1].set(-jnp.inf)))
+    paths = chosen_paths(sure, 0)
+    whole = [tuple(np.asarray(chains[0, 0, : n + 1]).tolist()) for n in range(D)]
+    assert set(whole) <= set(paths) and len(set(paths)) == N
+    rest = [p for p in alone if p not in whole]
+    assert set(paths) - set(whole) == set(rest[: N - D])
+    parent = np.asarray(sure.parent[0])
+    assert all(p < n for n, p in enumerate(parent, start=1))
+
+
+@pytest.mark.parametrize("method", ["medusa", "firp", "chimera", "eagle"])
 def test_retrieval_candidates_decode_ars_tokens(model, drafters, method):
+    """Repeating prompts: the untrained drafters' guesses are near uniform, so confident
+    retrieved chains take nodes, and many steps accept more than lookup-free trees do."""
     prompts = ["w5 w9 w7 w11 w5 w9 w7 w11 w5 w9", "w8 w8 w8"]
     ar = jaxspec.Generator(model).generate(prompts, max_new_tokens=16)
-    gen = jaxspec.Generator(model, method, drafter=drafters / method, tree="dynamic-8",
-                            retrieval=2)  # fmt: skip
-    got = gen.generate(prompts, max_new_tokens=16)
-    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    runs = {}
+    for retrieval in (None, 2):
+        gen = jaxspec.Generator(model, method, drafter=drafters / method, tree="dynamic-8",
+                                retrieval=retrieval)  # fmt: skip
+        runs[retrieval] = gen.generate(prompts, max_new_tokens=16)
+        assert [r.token_ids for r in runs[retrieval]] == [r.token_ids for r in ar]
+    steps = {r: sum(x.steps for x in got) for r, got in runs.items()}
+    assert steps[2] < steps[None]  # the retrieved nodes were accepted
 
 
-def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_guesses(model, drafters):
+def test_own_scores_are_the_measured_confidences():
+    from jaxspec.drafters.medusa import MedusaDrafter
+    from jaxspec.drafters.retrieval import LOOKUP_CONFIDENCE, RetrievalDrafter
+
+    drafter = RetrievalDrafter(MedusaDrafter(None, 2), 3)
+    got = np.asarray(drafter.own_scores(jnp.array([[3, 1, 0]]), 8))
+    table = np.asarray(LOOKUP_CONFIDENCE)
+    np.testing.assert_allclose(np.exp(got[0, 0, :2]), [table[2, 0], table[2, 0] * table[2, 1]],
+                               rtol=1e-5)  # fmt: skip
+    ratio = np.exp(got[0, 1, 7] - got[0, 1, 6])
+    np.testing.assert_allclose(ratio, table[0, -1], rtol=1e-5)  # past the table: its last
+    assert np.all(got[0, 2] == -np.inf)  # no match
+    none = RetrievalDrafter(MedusaDrafter(None, 2), 3, confidence=None)
+    assert np.all(np.asarray(none.own_scores(jnp.array([[3]]), 2)) == -np.inf)
+
+
+def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_dynamic_trees(model, drafters):
     from jaxspec.drafters.registry import parse_row
 
     with pytest.raises(JaxspecError, match="retrieval candidates join dynamic trees"):
         jaxspec.Generator(model, "medusa", drafter=drafters / "medusa", tree="cpu-8",
                           retrieval=2)  # fmt: skip
-    with pytest.raises(JaxspecError, match="--retrieval applies to --method medusa, firp"):
-        jaxspec.Generator(model, "chimera", drafter=drafters / "chimera", retrieval=2)
-    assert parse_row("medusa@dynamic-16+2:bfloat16") == (
-        "medusa",
+    with pytest.raises(JaxspecError, match="--retrieval applies to --method medusa, firp, chim"):
+        jaxspec.Generator(model, "sdsat", drafter=drafters / "sdsat", retrieval=2)
+    assert parse_row("eagle@dynamic-16+2:bfloat16") == (
+        "eagle",
         {"tree": "dynamic-16", "retrieval": 2},
         "bfloat16",
     )
-    with pytest.raises(JaxspecError, match=r"\+R .* applies to medusa, firp rows"):
-        parse_row("chimera+2")
+    with pytest.raises(JaxspecError, match=r"\+R .* applies to medusa, firp, chimera, eagle"):
+        parse_row("sdsat+2")
 
 
 @pytest.mark.parametrize("method", ["chimera", "eagle"])

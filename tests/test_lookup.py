@@ -28,11 +28,16 @@ def propose(tree: str, history=HISTORY, position=POSITION, **fields) -> list[int
 
 
 def test_continuations_longest_match_first_then_latest():
-    got = LookupDrafter().continuations(HISTORY, POSITION, 4, 3)[0].tolist()
-    assert got == [[7, 1, 2], [7, 8, 9], [-1, -1, -1], [-1, -1, -1]]
+    found, matched = LookupDrafter().continuations(HISTORY, POSITION, 4, 3)
+    assert found[0].tolist() == [[7, 1, 2], [7, 8, 9], [-1, -1, -1], [-1, -1, -1]]
+    assert matched[0].tolist() == [2, 2, 0, 0]  # "5 6" twice; "6" alone ranks after
+    found, matched = LookupDrafter(max_ngram=1).continuations(HISTORY, POSITION, 4, 3)
+    assert found[0].tolist() == [[7, 1, 2], [7, 8, 9], [-1, -1, -1], [-1, -1, -1]]
+    assert matched[0].tolist() == [1, 1, 0, 0]
     # A continuation running past the current token is unknown there.
-    at_end = LookupDrafter().continuations(HISTORY, jnp.array([6]), 2, 3)[0].tolist()
-    assert at_end == [[7, 8, 9], [-1, -1, -1]]  # "5 6" at 0-1; nothing else matches
+    found, matched = LookupDrafter().continuations(HISTORY, jnp.array([6]), 2, 3)
+    assert found[0].tolist() == [[7, 8, 9], [-1, -1, -1]]  # "5 6" at 0-1; nothing else matches
+    assert matched[0].tolist() == [2, 0]
 
 
 def test_trees_are_filled_from_the_continuations():
@@ -92,3 +97,43 @@ def test_lookup_from_the_shell_and_in_the_benchmark(tiny_ckpt, tmp_path, capsys)
     rows = json.loads(out.read_text())["methods"]
     assert rows["lookup"]["match_ar"] == rows["lookup@comb-2-2"]["match_ar"] == 1.0
     assert np.all(np.diff(rows["lookup"]["acceptance_by_depth"]) <= 0)
+
+
+def brute_force_confidence(data, G: int, D: int):
+    """Per answer position: the latest of the longest earlier suffix matches (up to G
+    tokens), its continuation compared with what came next, token by token."""
+    tries, hits = np.zeros((G, D), int), np.zeros((G, D), int)
+    for t, start, n in zip(data["tokens"], data["starts"], data["lengths"], strict=True):
+        t = t[:n].tolist()
+        for p in range(start - 1, n - 1):
+            m_best, e_best = 0, -1
+            for e in range(p - 1, -1, -1):
+                m = 0
+                while m < G and e - m >= 0 and t[e - m] == t[p - m]:
+                    m += 1
+                if m > m_best:
+                    m_best, e_best = m, e
+            for j in range(D if m_best else 0):
+                if e_best + 1 + j > p or p + 1 + j >= n:
+                    break
+                tries[m_best - 1, j] += 1
+                if t[e_best + 1 + j] != t[p + 1 + j]:
+                    break
+                hits[m_best - 1, j] += 1
+    return tries, hits
+
+
+def test_retrieval_confidence_counts_what_decoding_would_have_found():
+    from jaxspec.drafters.retrieval_confidence import measure
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 4, (5, 40)).astype(np.int32)  # 4 tokens: many matches
+    tokens[1, 20:30] = tokens[1, 5:15]  # a copied stretch
+    data = {"tokens": tokens, "starts": np.array([3, 10, 1, 20, 39]),
+            "lengths": np.array([40, 35, 40, 30, 40])}  # fmt: skip
+    rates, tries = measure(data, LookupDrafter(max_ngram=3), 4)
+    want_tries, want_hits = brute_force_confidence(data, 3, 4)
+    np.testing.assert_array_equal(tries, want_tries)
+    assert tries[:, :3].min() > 0  # every match length, three tokens deep
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_allclose(rates, want_hits / want_tries)  # nan where never tried

@@ -14,7 +14,7 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache
 from jaxspec.llama import run_layers
-from jaxspec.topology import select_nodes
+from jaxspec.topology import Draft, Retrieved, select_nodes
 from jaxspec.tree import DynamicTree, TreeSpec, tree_preset
 
 # On CPU a 1-deep chain: larger trees cost more than their extra accepted tokens gain there.
@@ -141,9 +141,16 @@ class Drafter:
         raise NotImplementedError
 
     def guesses(self, params, drafter_params, tree, inputs: DraftInputs) -> jax.Array:
-        """Drafters with a `draft_depth`: per-depth guess logits [B,K,V] at the accepted
-        node, which `propose` turns into candidates (tree_candidates)."""
+        """Drafters with path-independent guesses: per-depth guess logits [B,K,V] at the
+        accepted node, which `propose` turns into candidates (tree_candidates)."""
         raise NotImplementedError
+
+    def draft_dynamic(self, params, drafter_params, inputs: DraftInputs, tree: DynamicTree,
+                      extra: Retrieved | None = None) -> Draft:  # fmt: skip
+        """Drafters with a `draft_depth`: a dynamic tree's nodes, chosen among the
+        drafter's guesses and `extra`'s retrieved chains (topology.select_nodes; drafters
+        that expand node by node override it)."""
+        return select_nodes(self.guesses(params, drafter_params, tree, inputs), tree, extra)
 
     def draft_from_cache(self, params, drafter_params, cache: KVCache, current, tree: TreeSpec):
         """cache: committed up to `current` [B] (the next root, not in it) -> candidates

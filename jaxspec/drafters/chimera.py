@@ -71,7 +71,7 @@ from jaxspec.llama import (
     layer_kv,
     vocab_projection,
 )
-from jaxspec.topology import Draft, expand_frontier, top_log_probs
+from jaxspec.topology import Draft, Retrieved, expand_frontier, top_log_probs
 from jaxspec.tree import DynamicTree, TreeSpec
 
 BOTTOMS = ("ngram", "transformer", "transformer-frozen")
@@ -390,7 +390,8 @@ class ChimeraDrafter(Drafter):
             nodes = nodes.at[:, children].set(self.to_tokens(drafter_params, picked))
         return nodes[:, 1:], jnp.concatenate(logits, axis=1)
 
-    def draft_dynamic(self, params, dp, inputs: DraftInputs, tree: DynamicTree) -> Draft:
+    def draft_dynamic(self, params, dp, inputs: DraftInputs, tree: DynamicTree,
+                      extra: Retrieved | None = None) -> Draft:  # fmt: skip
         """Per-node expansion (EAGLE-2's, with Chimera's per-path drafting): the root's
         top-`width` guesses, then depth by depth the `width` best nodes by path probability
         (the frontier) run the encoder on their own n-grams, each seeing its ancestors'
@@ -434,7 +435,8 @@ class ChimeraDrafter(Drafter):
             return *guesses(out, d), new_keys, new_values, carry
 
         # every node descends from the root's entry
-        return expand_frontier(score, token, tree, expand, None, jnp.ones((B, k, 1), bool), ks, vs)
+        above = jnp.ones((B, k, 1), bool)
+        return expand_frontier(score, token, tree, expand, None, above, ks, vs, extra)
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if isinstance(tree, DynamicTree):

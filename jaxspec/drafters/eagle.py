@@ -42,7 +42,7 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
 from jaxspec.llama import decoder_layer, draft_vocab, embed, vocab_projection
-from jaxspec.topology import Draft, expand_frontier, top_log_probs
+from jaxspec.topology import Draft, Retrieved, expand_frontier, top_log_probs
 from jaxspec.tree import DynamicTree, TreeSpec
 
 # Cache slots past the model's cache length (an entry is written at its token's position).
@@ -267,7 +267,8 @@ class EagleDrafter(Drafter):
             nodes = nodes.at[:, children].set(guess[:, parent, tree.rank[children]])
         return nodes[:, 1:]
 
-    def draft_dynamic(self, params, dp, inputs: DraftInputs, tree: DynamicTree) -> Draft:
+    def draft_dynamic(self, params, dp, inputs: DraftInputs, tree: DynamicTree,
+                      extra: Retrieved | None = None) -> Draft:  # fmt: skip
         """EAGLE-2: the root's top-`width` guesses, then depth by depth the `width` best
         nodes by path probability (the frontier) expand their top-`width` guesses, each
         node's entry fed its parent's output; the tree is the N best nodes of all scored
@@ -286,7 +287,7 @@ class EagleDrafter(Drafter):
         features = jnp.broadcast_to(st.newest[:, None], (B, k, self.cfg.dim))  # the root's
         empty = jnp.zeros((B, K, 0, H), jnp.float32)
         return expand_frontier(score[:, 0], token[:, 0], tree, expand, features,
-                               jnp.zeros((B, k, 0), bool), empty, empty)  # fmt: skip
+                               jnp.zeros((B, k, 0), bool), empty, empty, extra)  # fmt: skip
 
     def propose(self, params, drafter_params, tree, inputs, key):
         if isinstance(tree, DynamicTree):

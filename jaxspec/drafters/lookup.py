@@ -69,10 +69,11 @@ class LookupDrafter(Drafter):
         tokens = write(inputs.state.tokens, new.tokens.astype(jnp.int32), new.start)
         return LookupState(tokens.at[jnp.arange(B), inputs.position].set(inputs.current))
 
-    def continuations(self, tokens, position, width: int, depth: int) -> jax.Array:
-        """tokens [B,N] with the current token at position [B] -> [B,W,depth]: what followed
-        the W best earlier occurrences of the current suffix (longest match of up to
-        max_ngram tokens first, then the latest), -1 where unknown or not found."""
+    def continuations(self, tokens, position, width: int, depth: int):
+        """tokens [B,N] with the current token at position [B] -> (found [B,W,depth]: what
+        followed the W best earlier occurrences of the current suffix (longest match of up
+        to max_ngram tokens first, then the latest), -1 where unknown or not found;
+        matched [B,W]: how many tokens each occurrence matched, 0 for none)."""
         B, N = tokens.shape
         at = jnp.arange(N)
         run, matched = jnp.ones((B, N), bool), jnp.zeros((B, N), jnp.int32)
@@ -87,7 +88,7 @@ class LookupDrafter(Drafter):
         follow = ends[..., None] + 1 + jnp.arange(depth)  # [B,W,depth]
         known = (best >= 0)[..., None] & (follow <= position[:, None, None])
         found = jnp.take_along_axis(tokens[:, None], jnp.minimum(follow, N - 1), axis=2)
-        return jnp.where(known, found, -1)
+        return jnp.where(known, found, -1), jnp.maximum(best, 0) // N
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
         """-> candidates [B,T-1]: depth by depth, node (parent, rank r) takes the r-th
@@ -96,7 +97,7 @@ class LookupDrafter(Drafter):
         if T == 1:
             return jnp.zeros((B, 0), jnp.int32)
         W = max(self.matches, tree.width)
-        cont = self.continuations(inputs.state.tokens, inputs.position, W, tree.max_depth)
+        cont, _ = self.continuations(inputs.state.tokens, inputs.position, W, tree.max_depth)
         W = cont.shape[1]
         nodes = jnp.zeros((B, T), jnp.int32)
         agree = jnp.zeros((B, T, W), bool).at[:, 0].set(True)  # continuation w fits node

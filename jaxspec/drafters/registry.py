@@ -72,8 +72,8 @@ REGISTRY = {
         Method("ar", "jaxspec.methods:build_ar"),
         _speculative("medusa", "Medusa", ("retrieval",)),
         _speculative("firp", "Firp", ("firp_chains", "retrieval"), "firp_chains"),
-        _speculative("chimera", "Chimera"),
-        _speculative("eagle", "Eagle"),
+        _speculative("chimera", "Chimera", ("retrieval",)),
+        _speculative("eagle", "Eagle", ("retrieval",)),
         _speculative("sdsat", "Sdsat", ("sdsat_loop",), "sdsat_loop"),
         Method(
             "lookup",
