@@ -120,11 +120,14 @@ def test_drafters_of_fixed_trees_refuse_dynamic_ones(model, drafters):
                           firp_chains=2)  # fmt: skip
 
 
-def test_export_dynamic_tree_step(model, drafters):
-    """The verify step with a topology chosen on device lowers for cuda and tpu."""
+@pytest.mark.parametrize("method, retrieval", [("medusa", None), ("eagle", 2)])
+def test_export_dynamic_tree_step(model, drafters, method, retrieval):
+    """The verify step with a topology chosen on device (with retrieved chains merged in
+    by scatter-max) lowers for cuda and tpu."""
     from jaxspec.methods import build_generator
 
-    decoder = build_generator(model, "medusa", drafters / "medusa", tree="dynamic-8")
+    decoder = build_generator(model, method, drafters / method, tree="dynamic-8",
+                              retrieval=retrieval)  # fmt: skip
     plan = decoder.lowerings(*decoder.example_inputs(2, 16, 64))
     exported = export.export_all({k: plan[k] for k in ("prefill", "step")})
     assert set(exported["step"]) == set(export.ACCELERATORS)

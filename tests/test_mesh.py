@@ -22,6 +22,7 @@ from jaxspec import export
 from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.medusa import MedusaDrafter
+from jaxspec.drafters.retrieval import RetrievalDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params, init_params
 from jaxspec.mesh import Layout, make_mesh, param_specs, parse_mesh, shard_params
@@ -132,10 +133,11 @@ def base_params(cfg=CFG4):
 
 
 def method_generator(
-    method: str, mesh=None, sampling=None, params=None, cfg=CFG4, tree="comb-2-2"
+    method: str, mesh=None, sampling=None, params=None, cfg=CFG4, tree="comb-2-2", retrieval=0
 ) -> SpeculativeGenerator:
     """A generator of `method` with random drafter weights (losslessness does not depend
-    on their quality) on `cfg`, on `mesh` or one device."""
+    on their quality) on `cfg`, on `mesh` or one device; retrieval: lookup's continuations
+    joining its dynamic tree."""
     from jaxspec.methods import make_drafter
     from tests.test_export import DATA, SETTINGS
 
@@ -150,6 +152,8 @@ def method_generator(
     weights = drafter.prepare(params, weights, data)
     tree = drafter.select_tree(tree, SETTINGS[method])
     drafter = drafter.for_tree(tree, SETTINGS[method], data)
+    if retrieval:
+        drafter = RetrievalDrafter(drafter, retrieval)
     return SpeculativeGenerator(cfg, params, drafter, weights, tree, sampling, mesh=mesh)
 
 
@@ -197,12 +201,14 @@ def test_the_families_on_a_mesh_give_one_devices_tokens():
     assert [r.token_ids for r in ar] == [r.token_ids for r in one]
 
 
-@pytest.mark.parametrize("method", ["medusa", "firp"])
-def test_dynamic_trees_on_a_mesh_give_one_devices_tokens(method):
-    """The topology chosen on device (a Draft between steps, split by rows) on 2x2."""
-    one = method_generator(method, tree="dynamic-6").generate_batch(PROMPTS, 16, seed=3)
+@pytest.mark.parametrize("method, retrieval", [("medusa", 0), ("firp", 0), ("eagle", 2)])
+def test_dynamic_trees_on_a_mesh_give_one_devices_tokens(method, retrieval):
+    """The topology chosen on device (a Draft between steps, split by rows) on 2x2; with
+    retrieval candidates, the lookup state split by rows beside the drafter's own."""
+    kw = dict(tree="dynamic-6", retrieval=retrieval)
+    one = method_generator(method, **kw).generate_batch(PROMPTS, 16, seed=3)
     mesh = make_mesh({"data": 2, "model": 2})
-    got = method_generator(method, mesh, tree="dynamic-6").generate_batch(PROMPTS, 16, seed=3)
+    got = method_generator(method, mesh, **kw).generate_batch(PROMPTS, 16, seed=3)
     assert [r.token_ids for r in got] == [r.token_ids for r in one] == one_device_tokens("ar")
     assert [r.steps for r in got] == [r.steps for r in one]
 
