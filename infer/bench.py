@@ -40,7 +40,8 @@ def parse_args(argv=None):
         help=f"comma list of {', '.join(METHODS + PEERS)}; METHOD@TREE picks a tree "
         "(e.g. medusa@searched-16,firp@searched-16: the same node budget), firp@TREE/N "
         "FIRP's chains on N nodes, sdsat/one-forward SDSAT's one-forward loop (sdsat@TREE/"
-        "one-forward with a tree), ppd@LAYER the early-prediction layer",
+        "one-forward with a tree), ppd@LAYER the early-prediction layer, METHOD@dynamic-N+R "
+        "R retrieved continuations joining the dynamic tree (medusa, firp, chimera, eagle)",
     )
     p.add_argument(
         "--questions",
