@@ -103,12 +103,21 @@ def batch_arrays(features: dict, seqs: np.ndarray, rows: np.ndarray, targets: st
     return jnp.asarray(tokens), hidden, jnp.asarray(rows), jnp.asarray(labels)
 
 
+def answer_tokens(features: dict) -> np.ndarray:
+    """Every answer's tokens, one after another."""
+    starts = features.get("starts", np.ones_like(features["lengths"]))
+    return np.concatenate([row[s:length] for row, s, length in zip(
+        features["tokens"], starts, features["lengths"], strict=True)])  # fmt: skip
+
+
+def vocab_coverage(features: dict, vocab) -> float:
+    """The fraction of the answers' tokens that are in `vocab`."""
+    return round(float(np.isin(answer_tokens(features), vocab).mean()), 4)
+
+
 def frequent_tokens(features: dict, n: int, always: tuple[int, ...]) -> list[int]:
     """The n most frequent tokens of the answers (and the `always` ids), sorted."""
-    starts = features.get("starts", np.ones_like(features["lengths"]))
-    answers = [row[s:length] for row, s, length in zip(
-        features["tokens"], starts, features["lengths"], strict=True)]  # fmt: skip
-    counts = np.bincount(np.concatenate(answers), minlength=1)
+    counts = np.bincount(answer_tokens(features), minlength=1)
     top = np.argsort(-counts, kind="stable")[:n]
     return sorted(set(top[counts[top] > 0].tolist()) | set(always))
 
@@ -235,12 +244,7 @@ class Chimera(Trainer):
         if args.draft_vocab:
             vocab = frequent_tokens(train_f, args.draft_vocab, tuple(cfg.eos_token_ids))
             data["draft_vocab"] = np.asarray(vocab, np.int32)
-            test_tokens = np.concatenate([
-                test_f["tokens"][n, s:length]
-                for n, (s, length) in enumerate(zip(test_f["starts"], test_f["lengths"],
-                                                    strict=True))
-            ])  # fmt: skip
-            coverage = round(float(np.isin(test_tokens, vocab).mean()), 4)
+            coverage = vocab_coverage(test_f, vocab)
         if args.cache_prefill and args.bottom == "ngram":
             grams = frequent_ngrams(train_f, args.ngram, args.cache_prefill)
             data["cache_prefill"] = np.asarray(grams, np.int32).reshape(-1, args.ngram)

@@ -40,7 +40,7 @@ from jaxspec.tree import searched_trees
 from . import skeleton
 from .args import parse, trainer_parser
 from .checkpoints import command_flags, started_from
-from .chimera import frequent_tokens, row_range, sample_rows
+from .chimera import frequent_tokens, row_range, sample_rows, vocab_coverage
 from .features import layer_features
 from .optim import apply_grads
 from .skeleton import Result, Trainer
@@ -191,11 +191,7 @@ class Eagle(Trainer):
         data, coverage = {}, None
         if self.vocab_ids is not None:
             data["draft_vocab"] = self.vocab_ids
-            test = self.test_f
-            answers = np.concatenate([test["tokens"][n, s:length] for n, (s, length) in
-                                      enumerate(zip(test["starts"], test["lengths"],
-                                                    strict=True))])  # fmt: skip
-            coverage = round(float(np.isin(answers, self.vocab_ids).mean()), 4)
+            coverage = vocab_coverage(self.test_f, self.vocab_ids)
         report = {
             "steps": int(state["step"]),
             **record,
