@@ -9,7 +9,7 @@ import pytest
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.models import load_model
 from tests.test_medusa import conversations
-from train.features import extract_sequences
+from train.features import extract_sequences, layer_features
 from train.selfdata import generate_answers
 
 SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
@@ -104,4 +104,33 @@ def test_features_reuse_rows_of_another_file(model, tmp_path, monkeypatch):
     np.testing.assert_array_equal(reused["predicted"], fresh["predicted"])
     np.testing.assert_allclose(
         reused["hidden"].astype(np.float32), fresh["hidden"].astype(np.float32), atol=1e-2
+    )
+
+
+def test_layer_states_reuse_rows_of_a_smaller_count(model, tmp_path, monkeypatch):
+    """The EAGLE trainer's states for more prompts copy the rows a cache for fewer holds."""
+    import train.features as features
+
+    data, p, n = conversations(seed=7), SETTINGS["prompt_len"], SETTINGS["new_tokens"]
+    grown, fresh = tmp_path / "grown", tmp_path / "fresh"
+    for root, counts in ((grown, (4, 6)), (fresh, (6,))):
+        for k in counts:
+            generate_answers(model, data, k, root / f"self-train-{k}-p{p}-n{n}.npz", **SETTINGS)
+    layer_features(model, grown, "train", 4, p, n, (1,), batch=2)
+    expected = layer_features(model, fresh, "train", 6, p, n, (1,), batch=2)
+
+    rows_computed = []
+    original = features._layer_states
+
+    def counting(params, tokens, **kw):
+        rows_computed.append(tokens.shape[0])
+        return original(params, tokens, **kw)
+
+    monkeypatch.setattr(features, "_layer_states", counting)
+    reused = layer_features(model, grown, "train", 6, p, n, (1,), batch=2)
+    assert rows_computed == [2]  # the two prompts the 4-prompt cache lacks
+    np.testing.assert_array_equal(reused["layers"], expected["layers"])
+    np.testing.assert_array_equal(reused["predicted"], expected["predicted"])
+    np.testing.assert_allclose(
+        reused["states"].astype(np.float32), expected["states"].astype(np.float32), atol=1e-2
     )

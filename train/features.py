@@ -71,17 +71,7 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4, reuse=()) ->
     tokens = data["tokens"]
     hidden = np.zeros((*tokens.shape, model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
-    todo = np.ones(len(tokens), bool)
-    for path in reuse:
-        done = load_npz(path)
-        row_of = {row.tobytes(): i for i, row in enumerate(done["tokens"])}
-        pairs = [(i, row_of[tokens[i].tobytes()]) for i in np.flatnonzero(todo)
-                 if tokens[i].tobytes() in row_of]  # fmt: skip
-        if pairs:
-            new, old = (np.array(ix) for ix in zip(*pairs, strict=True))
-            hidden[new], predicted[new] = done["hidden"][old], done["predicted"][old]
-            todo[new] = False
-    rows = np.flatnonzero(todo)
+    rows = _copy_known_rows(tokens, reuse, {"hidden": hidden, "predicted": predicted})
     for start in tqdm(range(0, len(rows), batch), desc=f"features {out.stem}", unit="batch"):
         idx = rows[start : start + batch]
         pad = batch - len(idx)
@@ -91,6 +81,23 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4, reuse=()) ->
     data = {**data, "hidden": hidden, "predicted": predicted}
     save_npz(out, data)
     return data
+
+
+def _copy_known_rows(tokens: np.ndarray, reuse, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """Fills the rows of `arrays` (name -> [N,...]) whose tokens [N,T] a `reuse` cache file
+    holds from that file; -> the indices of the rows still to compute."""
+    todo = np.ones(len(tokens), bool)
+    for path in reuse:
+        done = load_npz(path)
+        row_of = {row.tobytes(): i for i, row in enumerate(done["tokens"])}
+        pairs = [(i, row_of[tokens[i].tobytes()]) for i in np.flatnonzero(todo)
+                 if tokens[i].tobytes() in row_of]  # fmt: skip
+        if pairs:
+            new, old = (np.array(ix) for ix in zip(*pairs, strict=True))
+            for name, array in arrays.items():
+                array[new] = done[name][old]
+            todo[new] = False
+    return np.flatnonzero(todo)
 
 
 def _siblings(root: Path, prefix: str, split: str, prompt_len: int, new_tokens: int):
@@ -133,23 +140,26 @@ def layer_features(model, root: Path, split: str, n: int, prompt_len: int, new_t
                    layers: tuple[int, ...], batch: int = 4) -> dict:  # fmt: skip
     """self_answers(...) + "states" [N,T,L,D] float16: the states after each of `layers`
     (layer counts, the last layer added: "layers" [L] names them) at every position, and
-    "predicted" [N,T] the model's greedy next token; cached beside the answers."""
+    "predicted" [N,T] the model's greedy next token; cached beside the answers. Rows that
+    a cache of the same layers for another prompt count holds are copied from it."""
     answers = self_answers(model, root, split, n, prompt_len, new_tokens)
     tag = "-".join(map(str, layers))
     out = root / f"states-{tag}-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     if out.is_file():
         return load_npz(out)
+    reuse = _siblings(root, f"states-{tag}-self", split, prompt_len, new_tokens)
     layers = tuple(sorted(set(layers) | {model.cfg.n_layers}))
     tokens = answers["tokens"]
     states = np.zeros((*tokens.shape, len(layers), model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
-    for start in tqdm(range(0, len(tokens), batch), desc=f"states {out.stem}", unit="batch"):
-        chunk = tokens[start : start + batch]
-        pad = batch - len(chunk)
-        h, p = _layer_states(model.params, np.pad(chunk, ((0, pad), (0, 0))), cfg=model.cfg,
+    rows = _copy_known_rows(tokens, reuse, {"states": states, "predicted": predicted})
+    for start in tqdm(range(0, len(rows), batch), desc=f"states {out.stem}", unit="batch"):
+        idx = rows[start : start + batch]
+        pad = batch - len(idx)
+        h, p = _layer_states(model.params, np.pad(tokens[idx], ((0, pad), (0, 0))), cfg=model.cfg,
                              layers=layers)  # fmt: skip
-        states[start : start + len(chunk)] = np.asarray(h)[: len(chunk)]
-        predicted[start : start + len(chunk)] = np.asarray(p)[: len(chunk)]
+        states[idx] = np.asarray(h)[: len(idx)]
+        predicted[idx] = np.asarray(p)[: len(idx)]
     data = {**answers, "states": states, "layers": np.asarray(layers, np.int32),
             "predicted": predicted}  # fmt: skip
     save_npz(out, data)
