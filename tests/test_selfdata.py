@@ -9,7 +9,7 @@ import pytest
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.models import load_model
 from tests.test_medusa import conversations
-from train.features import extract_sequences, layer_features
+from train.features import answer_features, extract_sequences, layer_features
 from train.selfdata import generate_answers
 
 SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
@@ -133,4 +133,22 @@ def test_layer_states_reuse_rows_of_a_smaller_count(model, tmp_path, monkeypatch
     np.testing.assert_array_equal(reused["predicted"], expected["predicted"])
     np.testing.assert_allclose(
         reused["states"].astype(np.float32), expected["states"].astype(np.float32), atol=1e-2
+    )
+
+
+def test_features_copy_the_last_layer_of_layer_states(model, tmp_path, monkeypatch):
+    """Medusa/Chimera features for prompts the EAGLE trainer's states cover are not computed
+    again: the states' last layer is the features' hidden state."""
+    import train.features as features
+
+    data, p, n = conversations(seed=8), SETTINGS["prompt_len"], SETTINGS["new_tokens"]
+    for root in (tmp_path / "shared", tmp_path / "fresh"):
+        generate_answers(model, data, 5, root / f"self-train-5-p{p}-n{n}.npz", **SETTINGS)
+    layer_features(model, tmp_path / "shared", "train", 5, p, n, (1,), batch=2)
+    expected = answer_features(model, tmp_path / "fresh", "train", 5, p, n)
+    monkeypatch.setattr(features, "_features", None)  # any computation fails
+    copied = answer_features(model, tmp_path / "shared", "train", 5, p, n)
+    np.testing.assert_array_equal(copied["predicted"], expected["predicted"])
+    np.testing.assert_allclose(
+        copied["hidden"].astype(np.float32), expected["hidden"].astype(np.float32), atol=1e-2
     )

@@ -88,6 +88,8 @@ def _copy_known_rows(tokens: np.ndarray, reuse, arrays: dict[str, np.ndarray]) -
     holds from that file; -> the indices of the rows still to compute."""
     todo = np.ones(len(tokens), bool)
     for path in reuse:
+        if not todo.any():
+            break
         done = load_npz(path)
         row_of = {row.tobytes(): i for i, row in enumerate(done["tokens"])}
         pairs = [(i, row_of[tokens[i].tobytes()]) for i in np.flatnonzero(todo)
@@ -95,9 +97,17 @@ def _copy_known_rows(tokens: np.ndarray, reuse, arrays: dict[str, np.ndarray]) -
         if pairs:
             new, old = (np.array(ix) for ix in zip(*pairs, strict=True))
             for name, array in arrays.items():
-                array[new] = done[name][old]
+                array[new] = _field(done, name)[old]
             todo[new] = False
     return np.flatnonzero(todo)
+
+
+def _field(done: dict, name: str) -> np.ndarray:
+    """A cache file's array `name`; "hidden" (the last layer's states) also from a
+    layer_features file, whose last stored layer is the model's last."""
+    if name == "hidden" and name not in done:
+        return done["states"][:, :, -1]
+    return done[name]
 
 
 def _siblings(root: Path, prefix: str, split: str, prompt_len: int, new_tokens: int):
@@ -118,10 +128,12 @@ def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tok
 
 
 def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
-    """Features of self_answers(...), cached beside them."""
+    """Features of self_answers(...), cached beside them; rows that a features or
+    layer_features cache of the same split and lengths holds are copied from it."""
     answers = self_answers(model, root, split, n, prompt_len, new_tokens)
     name = f"features-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
-    reuse = _siblings(root, "features-self", split, prompt_len, new_tokens)
+    reuse = [*_siblings(root, "features-self", split, prompt_len, new_tokens),
+             *_siblings(root, "states-*-self", split, prompt_len, new_tokens)]  # fmt: skip
     return extract_sequences(model, answers, root / name, reuse=reuse)
 
 
