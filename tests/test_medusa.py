@@ -100,6 +100,29 @@ def test_init_starts_from_a_trained_drafter(trained, tmp_path):
         medusa.train([*common, "--heads", "2"])
 
 
+def test_heads_with_their_own_lm_head_train_and_stay_lossless(trained, tmp_path):
+    """--own-lm-head (Medusa-1's form): each head's projection starts as the base lm_head,
+    is trained, is written with the settings that rebuild it, and decodes losslessly."""
+    import train.medusa as medusa
+
+    _, _, _, ckpt = trained
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    medusa.train([*tiny_training_args(ckpt, tmp_path, train_seqs=10, batch=32, lr=0.01),
+                  "--seq-len", "64", "--steps", "4", "--heads", "2", "--own-lm-head"])  # fmt: skip
+    settings, dparams, _ = load_drafter(tmp_path / "out", "medusa", cfg)
+    assert settings.own_lm_head
+    base = params["embed_tokens"].T if cfg.tie_embeddings else params["lm_head"]
+    for head in dparams["heads"]:
+        assert head["lm_head"].shape == base.shape
+        assert 0 < float(jnp.abs(head["lm_head"] - base).max()) < 0.5  # trained, from lm_head
+    assert "its own vocabulary projection" in (tmp_path / "out" / "CARD.md").read_text()
+    drafter = MedusaDrafter(cfg, settings.n_heads, settings.own_lm_head)
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 30).token_ids
+    spec = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset("chain-2"))
+    assert spec.generate(prompt, 30).token_ids == ar
+
+
 def test_self_data_is_the_models_greedy_answer(trained):
     out, _, _, ckpt = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)

@@ -48,6 +48,12 @@ def parse_args(argv):
         "--decay", type=positive_float, default=0.8, help="loss weight of head k is decay**k"
     )
     p.add_argument("--targets", choices=("self", "data", "kl"), default="self")
+    p.add_argument(
+        "--own-lm-head",
+        action="store_true",
+        help="each head its own vocabulary projection, initialised from the base lm_head "
+        "(Medusa-1's form; V*D weights per head) instead of the shared frozen one",
+    )
     return parse(p, argv)
 
 
@@ -126,7 +132,7 @@ class Medusa(Trainer):
         self.train_f = self.features("train", args.train_seqs)
         self.test_f = self.features("test", args.test_seqs)
         self.pairs, self.labels = samples(self.train_f, args.heads, args.targets)
-        self.drafter = MedusaDrafter(self.cfg, args.heads)
+        self.drafter = MedusaDrafter(self.cfg, args.heads, args.own_lm_head)
         self.weights = jnp.asarray(args.decay ** np.arange(1, args.heads + 1), jnp.float32)
         self.order = np.random.default_rng(args.seed).permutation(len(self.pairs))
 
@@ -160,7 +166,8 @@ class Medusa(Trainer):
         losses = np.zeros(args.heads) if losses is None else losses
         accuracy = evaluate(self.drafter, self.model.params, state["params"], self.test_f,
                             args.targets)  # fmt: skip
-        settings = MedusaSettings(n_heads=args.heads, trees=searched_trees(accuracy))
+        settings = MedusaSettings(n_heads=args.heads, own_lm_head=args.own_lm_head,
+                                  trees=searched_trees(accuracy))  # fmt: skip
         report = {
             "steps": int(state["step"]),
             "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
@@ -175,6 +182,10 @@ def train(argv) -> dict:
     return skeleton.train(Medusa, parse_args(argv))
 
 
+HEAD_PROJECTION = {
+    False: "the frozen base lm_head",
+    True: "its own vocabulary projection, initialised from the base lm_head",
+}
 TARGETS = {
     "self": "the base model's own greedy predictions",
     "data": "the data tokens",
@@ -194,7 +205,7 @@ def card(args, cfg, report) -> str:
     )
     return f"""# Medusa drafter for {cfg.name}
 
-- Heads: {args.heads} (ResBlock + the frozen base lm_head), targets: `{args.targets}`
+- Heads: {args.heads} (ResBlock + {HEAD_PROJECTION[args.own_lm_head]}), targets: `{args.targets}`
   ({TARGETS[args.targets]}).
 - Data: {DATA[args.data]}, {args.train_seqs} train-split conversations:
   {report["train_positions"]} training positions.
