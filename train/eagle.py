@@ -186,7 +186,7 @@ class Eagle(Trainer):
         accuracy = evaluate(self.drafter, self.model.params, scored, self.test_f, args.ttt)
         settings = EagleSettings(
             layers=self.drafter.layers, depth=args.depth, trees=searched_trees(accuracy),
-            cpu_tree="chain-2", gpu_tree="dynamic-64",
+            cpu_tree="chain-1", gpu_tree="dynamic-64",
         )  # fmt: skip
         data, coverage = {}, None
         if self.vocab_ids is not None:
