@@ -34,6 +34,19 @@ def generated(monkeypatch):
     return calls
 
 
+def batches_computed(monkeypatch, module, name: str) -> list[int]:
+    """The row count of each batch module.name (a jitted features function) computes from
+    now on."""
+    calls, original = [], getattr(module, name)
+
+    def counting(params, tokens, **kw):
+        calls.append(tokens.shape[0])
+        return original(params, tokens, **kw)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
 def test_answers_for_more_prompts_reuse_a_smaller_cache(model, tmp_path, generated):
     data = conversations(seed=3)
     fresh = generate_answers(model, data, 7, tmp_path / "fresh-7.npz", **SETTINGS)
@@ -89,14 +102,7 @@ def test_features_reuse_rows_of_another_file(model, tmp_path, monkeypatch):
     extract_sequences(model, first_four, tmp_path / "features-4.npz", batch=2)
     fresh = extract_sequences(model, answers, tmp_path / "features-6.npz", batch=2)
 
-    rows_computed = []
-    original = features._features
-
-    def counting(params, tokens, **kw):
-        rows_computed.append(tokens.shape[0])
-        return original(params, tokens, **kw)
-
-    monkeypatch.setattr(features, "_features", counting)
+    rows_computed = batches_computed(monkeypatch, features, "_features")
     reused = extract_sequences(
         model, answers, tmp_path / "grown.npz", batch=2, reuse=[tmp_path / "features-4.npz"]
     )
@@ -119,14 +125,7 @@ def test_layer_states_reuse_rows_of_a_smaller_count(model, tmp_path, monkeypatch
     layer_features(model, grown, "train", 4, p, n, (1,), batch=2)
     expected = layer_features(model, fresh, "train", 6, p, n, (1,), batch=2)
 
-    rows_computed = []
-    original = features._layer_states
-
-    def counting(params, tokens, **kw):
-        rows_computed.append(tokens.shape[0])
-        return original(params, tokens, **kw)
-
-    monkeypatch.setattr(features, "_layer_states", counting)
+    rows_computed = batches_computed(monkeypatch, features, "_layer_states")
     reused = layer_features(model, grown, "train", 6, p, n, (1,), batch=2)
     assert rows_computed == [2]  # the two prompts the 4-prompt cache lacks
     np.testing.assert_array_equal(reused["layers"], expected["layers"])
@@ -146,8 +145,9 @@ def test_features_copy_the_last_layer_of_layer_states(model, tmp_path, monkeypat
         generate_answers(model, data, 5, root / f"self-train-5-p{p}-n{n}.npz", **SETTINGS)
     layer_features(model, tmp_path / "shared", "train", 5, p, n, (1,), batch=2)
     expected = answer_features(model, tmp_path / "fresh", "train", 5, p, n)
-    monkeypatch.setattr(features, "_features", None)  # any computation fails
+    rows_computed = batches_computed(monkeypatch, features, "_features")
     copied = answer_features(model, tmp_path / "shared", "train", 5, p, n)
+    assert rows_computed == []  # every row copied
     np.testing.assert_array_equal(copied["predicted"], expected["predicted"])
     np.testing.assert_allclose(
         copied["hidden"].astype(np.float32), expected["hidden"].astype(np.float32), atol=1e-2

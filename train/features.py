@@ -71,13 +71,10 @@ def extract_sequences(model, data: dict, out: Path, batch: int = 4, reuse=()) ->
     tokens = data["tokens"]
     hidden = np.zeros((*tokens.shape, model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
-    rows = _copy_known_rows(tokens, reuse, {"hidden": hidden, "predicted": predicted})
-    for start in tqdm(range(0, len(rows), batch), desc=f"features {out.stem}", unit="batch"):
-        idx = rows[start : start + batch]
-        pad = batch - len(idx)
-        h, p = _features(model.params, np.pad(tokens[idx], ((0, pad), (0, 0))), cfg=model.cfg)
-        hidden[idx] = np.asarray(h)[: len(idx)]
-        predicted[idx] = np.asarray(p)[: len(idx)]
+    arrays = {"hidden": hidden, "predicted": predicted}
+    rows = _copy_known_rows(tokens, reuse, arrays)
+    compute = partial(_features, model.params, cfg=model.cfg)
+    _compute_rows(compute, tokens, rows, arrays, batch, f"features {out.stem}")
     data = {**data, "hidden": hidden, "predicted": predicted}
     save_npz(out, data)
     return data
@@ -100,6 +97,17 @@ def _copy_known_rows(tokens: np.ndarray, reuse, arrays: dict[str, np.ndarray]) -
                 array[new] = _field(done, name)[old]
             todo[new] = False
     return np.flatnonzero(todo)
+
+
+def _compute_rows(compute, tokens: np.ndarray, rows: np.ndarray, arrays: dict, batch: int,
+                  desc: str) -> None:  # fmt: skip
+    """Fills `arrays` (name -> [N,...], in compute's output order) at `rows` from
+    compute(tokens [batch,T]), `batch` rows at a time (the last batch padded: one shape)."""
+    for start in tqdm(range(0, len(rows), batch), desc=desc, unit="batch"):
+        idx = rows[start : start + batch]
+        outputs = compute(np.pad(tokens[idx], ((0, batch - len(idx)), (0, 0))))
+        for array, out in zip(arrays.values(), outputs, strict=True):
+            array[idx] = np.asarray(out)[: len(idx)]
 
 
 def _field(done: dict, name: str) -> np.ndarray:
@@ -164,14 +172,10 @@ def layer_features(model, root: Path, split: str, n: int, prompt_len: int, new_t
     tokens = answers["tokens"]
     states = np.zeros((*tokens.shape, len(layers), model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
-    rows = _copy_known_rows(tokens, reuse, {"states": states, "predicted": predicted})
-    for start in tqdm(range(0, len(rows), batch), desc=f"states {out.stem}", unit="batch"):
-        idx = rows[start : start + batch]
-        pad = batch - len(idx)
-        h, p = _layer_states(model.params, np.pad(tokens[idx], ((0, pad), (0, 0))), cfg=model.cfg,
-                             layers=layers)  # fmt: skip
-        states[idx] = np.asarray(h)[: len(idx)]
-        predicted[idx] = np.asarray(p)[: len(idx)]
+    arrays = {"states": states, "predicted": predicted}
+    rows = _copy_known_rows(tokens, reuse, arrays)
+    compute = partial(_layer_states, model.params, cfg=model.cfg, layers=layers)
+    _compute_rows(compute, tokens, rows, arrays, batch, f"states {out.stem}")
     data = {**answers, "states": states, "layers": np.asarray(layers, np.int32),
             "predicted": predicted}  # fmt: skip
     save_npz(out, data)
