@@ -50,7 +50,7 @@ def firp_accuracy(model, root: Path) -> dict:
     """top-1..5 per FIRP step [K,5] on the trainer's fixed test anchors."""
     settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
     layers = settings.layers
-    cache = firp.real_pass(model, root / "firp", "test", TEST_SEQS["firp"], PROMPT_LEN,
+    cache = firp.real_pass(model, root, root / "firp", "test", TEST_SEQS["firp"], PROMPT_LEN,
                            NEW_TOKENS, layers)  # fmt: skip
     accuracy = firp.evaluate(model, params["maps"], layers, cache)
     return {"layers": list(layers), "top1_5_per_step": rounded(accuracy)}

@@ -84,7 +84,8 @@ def work_dir_for_ablation(tag: str) -> Path:
 
 
 def test_pass(model, args, layers):
-    return firp_train.real_pass(model, work_dir(model), "test", args.test_seqs, 128, 192, layers)
+    work = work_dir(model)
+    return firp_train.real_pass(model, work.parent, work, "test", args.test_seqs, 128, 192, layers)
 
 
 def shipped(model, method):

@@ -200,6 +200,9 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     acc = np.array(second["test_topk_accuracy"])
     assert acc.shape == (2, 5) and np.all(np.diff(acc, axis=1) >= 0)
     assert min(second["accepted_per_step"].values()) >= 1.0
+    # --work-dir holds the answers beside the real passes, nothing goes above it
+    assert list((out.parent / "work").glob("self-train-*.npz"))
+    assert not list(out.parent.glob("*.npz"))
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["method"] == "firp" and meta["settings"]["layers"] == [1, 2]
     model = load_model(ckpt)

@@ -239,10 +239,13 @@ def evaluate(model, maps, layers, cache: RealPassCache, variant="firp"):
     return hits / count
 
 
-def real_pass(model, work: Path, split: str, n: int, prompt_len: int, new_tokens: int, layers):
+def real_pass(
+    model, shared: Path, work: Path, split: str, n: int, prompt_len: int, new_tokens: int, layers
+):
     """The RealPassCache of the model's answers to n `split` prompts, in the FIRP work
-    folder `work` (the answers themselves are cached in its parent, shared by trainers)."""
-    answers = self_answers(model, work.parent, split, n, prompt_len, new_tokens)
+    folder `work` (the answers themselves are cached in `shared`, the folder every trainer
+    reads them from)."""
+    answers = self_answers(model, shared, split, n, prompt_len, new_tokens)
     name = f"{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}-t{'-'.join(map(str, layers))}"
     return RealPassCache(model, answers, layers, work / f"pass-{name}")
 
@@ -267,7 +270,7 @@ class Firp(Trainer):
     def prepare(self) -> None:
         """The data's real pass (cached) and the answers' anchor ranges."""
         self.train_pass, self.test_pass = (
-            real_pass(self.model, self.work, split, n, self.args.prompt_len,
+            real_pass(self.model, self.shared, self.work, split, n, self.args.prompt_len,
                       self.args.new_tokens, self.pass_layers)
             for split, n in (("train", self.args.train_seqs), ("test", self.args.test_seqs))
         )  # fmt: skip
