@@ -23,7 +23,7 @@ from jaxspec.cli import (
     temperature,
 )
 from jaxspec.decode import PRODUCTS
-from jaxspec.drafters.registry import REGISTRY, parse_row
+from jaxspec.drafters.registry import REGISTRY, row_source
 from jaxspec.errors import JaxspecError
 from jaxspec.models import DTYPES
 from jaxspec.outputs import check_output_file
@@ -59,7 +59,9 @@ def parse_args(argv=None):
         action="append",
         default=[],
         metavar="METHOD=DIR",
-        help="METHOD's rows use the drafter in DIR instead of the shipped one (repeatable)",
+        help="METHOD's rows use the drafter in DIR instead of the shipped one (repeatable); "
+        "METHOD#LABEL=DIR: only the rows named METHOD#LABEL, e.g. medusa#mine@searched-32 "
+        "beside medusa@searched-32",
     )
     p.add_argument(
         "--out",
@@ -81,6 +83,12 @@ def parse_args(argv=None):
         "--top-k", type=nonnegative_int, default=0, help="sample among the k likeliest (0: all)"
     )
     p.add_argument("--seed", type=seed, default=0)
+    p.add_argument(
+        "--typical",
+        action="store_true",
+        help="drafted rows verify with Medusa's typical acceptance (NOT lossless; needs "
+        "--temperature > 0)",
+    )
     p.add_argument("--ppd-k", type=positive_int, help="ppd rows: sub-processes (default 3)")
     p.add_argument(
         "--dtype",
@@ -127,17 +135,23 @@ def _derived(out: Path) -> tuple[Path, Path, Path]:
 
 
 def parse_drafters(items: list[str], methods: list[str]) -> dict[str, Path]:
-    """--drafter METHOD=DIR options -> {method: DIR}, for methods that have rows here."""
+    """--drafter METHOD[#LABEL]=DIR options -> {METHOD[#LABEL]: DIR}, each naming rows here;
+    every labelled row has one."""
     drafters = {}
+    sources = {row_source(m) for m in methods if m not in PEERS}
     for item in items:
-        method, eq, folder = item.partition("=")
+        source, eq, folder = item.partition("=")
         if not eq or not folder:
             raise JaxspecError(f"--drafter {item}: write METHOD=DIR, e.g. chimera=drafters/mine")
+        method = source.partition("#")[0]
         if method not in REGISTRY or not REGISTRY[method].drafter_folder:
             raise JaxspecError(f"--drafter {item}: {method!r} is not a method with a drafter")
-        if method not in {parse_row(m)[0] for m in methods if m not in PEERS}:
-            raise JaxspecError(f"--drafter {item}: no {method} row in --methods")
-        drafters[method] = Path(folder)
+        if source not in sources:
+            raise JaxspecError(f"--drafter {item}: no {source} row in --methods")
+        drafters[source] = Path(folder)
+    unnamed = sorted(s for s in sources if "#" in s and s not in drafters)
+    if unnamed:
+        raise JaxspecError(f"{unnamed[0]} rows: name their drafter with --drafter {unnamed[0]}=DIR")
     return drafters
 
 
@@ -149,7 +163,7 @@ def _main(argv) -> None:
         rows, args.questions, model=args.model, limit=args.limit,
         per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         drafters=parse_drafters(args.drafter, rows), single_turn=args.single_turn,
-        sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
+        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.typical), seed=args.seed,
         ppd_k=args.ppd_k, dtype=args.dtype, products=args.products, mesh=args.mesh,
         command="jaxspec-bench " + " ".join(argv if argv is not None else sys.argv[1:]),
     )  # fmt: skip

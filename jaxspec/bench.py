@@ -2,7 +2,8 @@
 
 Methods run interleaved question by question, so slow drifts of the machine hit all of
 them alike. Compilation and a warm-up generation per method are excluded from timing.
-A row is METHOD[@X][/Y][:DTYPE] (`registry.parse_row`); "hf" is the transformers peer.
+A row is METHOD[#LABEL][@X][/Y][:DTYPE] (`registry.parse_row`); "hf" is the transformers
+peer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 from tqdm import tqdm
 
 from jaxspec.data.sources import load_questions, select_questions
-from jaxspec.drafters.registry import REGISTRY, parse_row
+from jaxspec.drafters.registry import REGISTRY, parse_row, row_source
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
 from jaxspec.mesh import make_mesh, parse_mesh
@@ -62,9 +63,10 @@ def run_benchmark(
 ) -> dict:
     """Every row on the questions ('humaneval', 'sharegpt-test' or a Spec-Bench .jsonl) ->
     the result record (per-row and per-category tokens/s, speedup over "ar", mean accepted
-    tokens, acceptance by depth, match_ar). drafters: method -> drafter folder replacing the
-    shipped one; products: how every row's bfloat16 weights multiply (jaxspec.decode.PRODUCTS);
-    mesh: "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M)."""
+    tokens, acceptance by depth, match_ar). drafters: METHOD or METHOD#LABEL (the rows so
+    named) -> drafter folder replacing the shipped one; products: how every row's bfloat16
+    weights multiply (jaxspec.decode.PRODUCTS); mesh: "data=D,model=M" to split the model
+    over (jaxspec.mesh; ppd rows: each stage on M)."""
     methods = check_rows(rows)
     shape = parse_mesh(mesh) if mesh else None
     split = shape["model"] if shape else 1
@@ -108,6 +110,7 @@ def run_benchmark(
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
+        "typical": sampling.typical,
         "dtype": dtype,
         "products": products,
         "mesh": mesh,
@@ -150,7 +153,7 @@ def write_results(result: dict, paths: tuple[Path, Path, Path]) -> None:
 
 
 class Runner:
-    """One row (METHOD[@X][/Y][:DTYPE], `registry.parse_row`, or a peer):
+    """One row (METHOD[#LABEL][@X][/Y][:DTYPE], `registry.parse_row`, or a peer):
     generate(prompt_ids, n) -> (new ids, steps, seconds excluding compile, drafted tokens
     accepted per verify step); max_depth: its tree's depth (0: one token a step)."""
 
@@ -167,7 +170,7 @@ class Runner:
             method, options, _ = parse_row(name)
             if "ppd_k" in REGISTRY[method].options:
                 options["ppd_k"] = ppd_k
-            drafter_dir = (drafters or {}).get(method)  # None: the shipped drafter
+            drafter_dir = (drafters or {}).get(row_source(name))  # None: the shipped one
             self.generator = build_generator(
                 model, method, drafter_dir, sampling=sampling, products=products, **options
             )

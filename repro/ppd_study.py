@@ -5,6 +5,7 @@
     python -m repro.ppd_study decoding   # Table 5: greedy vs top-k vs top-p answers
     python -m repro.ppd_study tradeoff   # Figs. 3-4 from the measured match rates
     python -m repro.ppd_study latency    # measured vs predicted vs simulated per-token latency
+    python -m repro.ppd_study templates  # Table 2 again, prompts in the paper's Table 1 formats
 
 p_correct: the token the model produced next is among the top-k early predictions at
 layer d̄ (1/3, 1/2, 2/3, 5/6 and 0.93 of the 30 layers), untrained (final norm + lm_head)
@@ -66,6 +67,40 @@ def prompts_by_category(args, model) -> dict[str, list[list[int]]]:
     }  # fmt: skip
 
 
+# The paper's Table 1 prompt formats (raw text, no chat template) and answer lengths, each
+# filled from the Spec-Bench category standing in for its dataset: rag (a passage, then the
+# question on the last line) for SQuAD, summarization ("Summarize: " + article) for CNN/DM,
+# translation (German -> English) for WMT EN-FR, whose two examples are turned around.
+SQUAD = (
+    "We have provided context information below.\n"
+    "———————\n{context}\n———————\n"
+    "### Given this information, please answer the question: {question}\n### Assistant:"
+)
+WMT = (
+    "### Instruction: Translate German sentence into English.\n"
+    "German: Das klingt für mich nach einem typischen Rugbyclub.\n"
+    "English: Sounds like a typical rugby club to me. #\n"
+    "German: An einer englischen Universität vielleicht…\n"
+    "English: At an English university, perhaps… #\n"
+    "German: {source}\nEnglish:"
+)
+CNN_DM = "# Article\n{context}\n# Summarize the article\n### Assistant:"
+
+
+def paper_prompt(category: str, question: str) -> str:
+    """A Spec-Bench question of `category` in the paper's format for the task it stands in for."""
+    if category == "rag":
+        context, _, asked = question.rpartition("\n")
+        return SQUAD.format(context=context, question=asked)
+    if category == "summarization":
+        return CNN_DM.format(context=question.removeprefix("Summarize: "))
+    return WMT.format(source=question.removeprefix("Translate German to English: "))
+
+
+PAPER_TASKS = {"rag": ("SQuAD", 16), "summarization": ("CNN/DM", 128),
+               "translation": ("WMT", 128)}  # fmt: skip
+
+
 def shipped_heads(model) -> dict:
     folder = DRAFTERS_DIR / model.cfg.name / "ppd"
     return load_drafter(folder, "ppd", model.cfg)[1]["heads"] if folder.is_dir() else {}
@@ -116,6 +151,26 @@ def part_match(args, model) -> dict:
     for cat, prompts in prompts_by_category(args, model).items():
         outputs = answers(model, prompts, args.max_new_tokens)
         result["categories"][cat] = match_rates(model, heads, prompts, outputs, layers)
+    return result
+
+
+def part_templates(args, model) -> dict:
+    """part_match with the paper's prompt formats and answer lengths (PAPER_TASKS)."""
+    from jaxspec.data.sources import load_questions
+
+    layers = tuple(int(x) for x in args.layers.split(","))
+    heads = shipped_heads(model)
+    questions = load_questions(str(args.questions))
+    result = {"layers": list(layers), "n_layers": model.cfg.n_layers, "categories": {}}
+    for cat, (task, new_tokens) in PAPER_TASKS.items():
+        texts = [paper_prompt(cat, q.turns[0]) for q in questions if q.category == cat]
+        texts = texts[: args.per_category]
+        prompts = [encode_prompt(model.tokenizer, t, chat=False) for t in texts]
+        outputs = answers(model, prompts, new_tokens)
+        result["categories"][cat] = {
+            "stands_in_for": task, "new_tokens": new_tokens, "example_prompt": texts[0],
+            **match_rates(model, heads, prompts, outputs, layers),
+        }  # fmt: skip
     return result
 
 
@@ -207,7 +262,7 @@ def part_latency(args, model) -> dict:
 
 
 PARTS = {"match": part_match, "decoding": part_decoding, "tradeoff": part_tradeoff,
-         "latency": part_latency}  # fmt: skip
+         "latency": part_latency, "templates": part_templates}  # fmt: skip
 
 
 def main(argv=None) -> None:

@@ -225,6 +225,52 @@ def test_bench_runs_a_given_drafter(trained, tmp_path, capsys):
         assert message in err
 
 
+def test_bench_rows_with_a_label_run_their_own_drafter(trained, tmp_path, capsys):
+    from safetensors.numpy import load_file, save_file
+
+    from infer.bench import main
+
+    out, _, _, ckpt = trained
+    zeroed = tmp_path / "zeroed"  # the same drafter with every weight zero: other drafts
+    shutil.copytree(out, zeroed)
+    weights = load_file(zeroed / "drafter.safetensors")
+    save_file({k: np.zeros_like(v) for k, v in weights.items()}, zeroed / "drafter.safetensors")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "turns": ["w5 w9 w7"]}\n')
+    rows = "ar,medusa@cpu-8,medusa#zero@cpu-8"
+    argv = ["--model", str(ckpt), "--questions", str(questions), "--max-new-tokens", "16",
+            "--methods", rows, "--drafter", f"medusa={out}"]  # fmt: skip
+    result = tmp_path / "r.json"
+    main([*argv, "--drafter", f"medusa#zero={zeroed}", "--out", str(result)])
+    got = json.loads(result.read_text())
+    shipped, zero = got["methods"]["medusa@cpu-8"], got["methods"]["medusa#zero@cpu-8"]
+    assert shipped["match_ar"] == zero["match_ar"] == 1.0
+    assert shipped["mean_accepted"] != zero["mean_accepted"]
+    assert got["drafters"] == {"medusa": str(out), "medusa#zero": str(zeroed)}
+    err = one_line_error(main, argv, capsys)
+    assert "medusa#zero rows: name their drafter with --drafter medusa#zero=DIR" in err
+    err = one_line_error(main, [*argv[:-4], "--methods", "ar,medusa#@cpu-8"], capsys)
+    assert "a label expected after #" in err
+
+
+def test_bench_verifies_with_typical_acceptance_when_asked(trained, tmp_path, capsys):
+    from infer.bench import main
+
+    out, _, _, ckpt = trained
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "turns": ["w5 w9 w7"]}\n')
+    argv = ["--model", str(ckpt), "--questions", str(questions), "--max-new-tokens", "12",
+            "--methods", "ar,medusa@cpu-8", "--drafter", f"medusa={out}"]  # fmt: skip
+    err = one_line_error(main, [*argv, "--typical"], capsys)
+    assert "--typical needs sampling" in err
+    result = tmp_path / "r.json"
+    # Near-greedy sampling: typical acceptance keeps only the top token, AR samples it too.
+    main([*argv, "--typical", "--temperature", "0.0001", "--out", str(result)])
+    got = json.loads(result.read_text())
+    assert got["typical"] is True and got["temperature"] == 0.0001
+    assert got["methods"]["medusa@cpu-8"]["match_ar"] == 1.0
+
+
 def test_held_out_prompts_end_where_answers_start():
     from train.acceptance import held_out_prompts
 

@@ -118,12 +118,21 @@ def check_options(m: Method, tree=None, drafter=None, **options) -> None:
             raise JaxspecError(f"{flag} applies to --method {owners(option)} only")
 
 
+def row_source(row: str) -> str:
+    """The part of a bench row that names its drafter: METHOD, or METHOD#LABEL for a row
+    that `--drafter METHOD#LABEL=DIR` gives a drafter of its own."""
+    return row.partition(":")[0].partition("+")[0].partition("/")[0].partition("@")[0]
+
+
 def parse_row(row: str) -> tuple[str, dict, str]:
-    """A bench row METHOD[@X][/Y][+R][:DTYPE] -> (method, its options, dtype or "")."""
+    """A bench row METHOD[#LABEL][@X][/Y][+R][:DTYPE] -> (method, its options, dtype or "")."""
     spec, _, dtype = row.partition(":")
     spec, plus, chains = spec.partition("+")
     spec, slash, extra = spec.partition("/")
     name, at, option = spec.partition("@")
+    name, hash_, label = name.partition("#")
+    if hash_ and not label.strip():
+        raise JaxspecError(f"{row}: a label expected after #, e.g. {name}#mine")
     m = method(name)
     options = {}
     if at and m.row_at is None:
