@@ -213,15 +213,23 @@ def test_bench_compares_each_row_with_ar_in_its_own_dtype():
     assert match_reference("firp:bfloat16", "float32", ["ar", "firp:bfloat16"]) == "ar"
 
 
-def test_a_flag_added_later_keeps_older_runs_resumable():
-    """Checkpoints are keyed by the training flags; a flag added later (Chimera's --bottom)
-    at its default must not change the key of runs made before it existed."""
-    from train.checkpoints import run_name
-    from train.chimera import parse_args
+@pytest.mark.parametrize(
+    "trainer, flag, other",
+    [("chimera", "bottom", ["--bottom", "transformer"]), ("medusa", "own_lm_head",
+     ["--own-lm-head"]), ("firp", "training", ["--training", "paper"])],
+)  # fmt: skip
+def test_a_flag_added_later_keeps_older_runs_resumable(trainer, flag, other):
+    """Checkpoints are keyed by the training flags; a flag added later (Chimera's --bottom,
+    Medusa's --own-lm-head, FIRP's --training) at its default must not change the key of
+    runs made before it existed."""
+    import importlib
 
+    from train.checkpoints import run_name
+
+    parse_args = importlib.import_module(f"train.{trainer}").parse_args
     args = parse_args(["--steps", "10"])
     older = parse_args(["--steps", "10"])
-    del older.bottom
+    delattr(older, flag)
     assert run_name(args) == run_name(older)
-    assert run_name(parse_args(["--bottom", "transformer"])) != run_name(args)
+    assert run_name(parse_args(other)) != run_name(args)
     assert run_name(parse_args(["--steps", "99"])) == run_name(args)  # more steps continue

@@ -11,7 +11,13 @@ import pytest
 
 from jaxspec.chains import chain_mask, joint_mask, pseudo_positions
 from jaxspec.decode import SpeculativeGenerator
-from jaxspec.drafters.firp import FirpDrafter, FirpSettings, training_forward
+from jaxspec.drafters.firp import (
+    FirpDrafter,
+    FirpSettings,
+    pseudo_forward,
+    real_context,
+    training_forward,
+)
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, init_params, run_layers
@@ -82,6 +88,29 @@ def test_pseudo_chains_leave_the_real_tokens_alone_and_match_training():
     assert pseudo.shape == trained.shape == (2, 3, 2, cfg.dim)
     np.testing.assert_allclose(trained, pseudo, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(real, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_teacher_forced_steps_see_the_real_states_before_their_position():
+    """The paper's training (§3.3): step i's pseudo state for position a+i sees the real
+    tokens <= a+i-1; as when drafting, it sees only those <= a."""
+    cfg, params = tiny()
+    maps, layers, anchors = random_maps(cfg, 2)["maps"], (1, 2), jnp.asarray([[3]])
+    tokens = jax.random.randint(jax.random.key(3), (1, 9), 0, cfg.vocab_size)
+
+    def steps(tokens, **how):  # -> [K,D]: the anchor's pseudo states
+        _, block, states = real_context(params, cfg, tokens, layers)
+        pseudo, _ = pseudo_forward(params, cfg, maps, layers, block.keys, block.values, states,
+                                   anchors, chained=False, **how)  # fmt: skip
+        return np.asarray(pseudo[0, 0])
+
+    at_4, at_5 = tokens.at[0, 4].add(1), tokens.at[0, 5].add(1)  # a+1, a+2 changed
+    forced, drafting = steps(tokens, teacher_forced=True), steps(tokens)
+    np.testing.assert_allclose(forced[0], drafting[0], rtol=1e-5, atol=1e-5)  # both see <= a
+    np.testing.assert_allclose(steps(at_4), drafting, rtol=1e-5, atol=1e-5)
+    changed = steps(at_4, teacher_forced=True)
+    np.testing.assert_allclose(changed[0], forced[0], rtol=1e-5, atol=1e-5)
+    assert np.abs(changed[1] - forced[1]).max() > 1e-3  # step 2 sees a+1
+    np.testing.assert_allclose(steps(at_5, teacher_forced=True), forced, rtol=1e-5, atol=1e-5)
 
 
 def deeper(name: str, n_layers: int = 5):
@@ -218,6 +247,35 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     sparse = drafter.for_tree(tree, settings, data, firp_chains=3)
     assert len(sparse.chain_nodes) == 3
     spec = SpeculativeGenerator(model.cfg, model.params, sparse, dparams, tree)
+    assert spec.generate(prompt, 24).token_ids == ar
+
+
+def test_paper_training_ships_a_lossless_drafter(tmp_path):
+    """--training paper on a 3-layer model: step 1 trains exactly as the chained training
+    (its pseudo state sees the same real tokens), step 2 (layer 2, then layer 3's attention)
+    otherwise; its maps draft as any FIRP drafter's."""
+    import train.firp as firp
+    from jaxspec.convert import convert
+    from jaxspec.drafters.store import load_drafter
+    from jaxspec.methods import make_drafter
+    from jaxspec.models import load_model
+    from tests.conftest import save_tiny
+
+    convert(save_tiny(tmp_path, n_kv_heads=2, n_layers=3)[0], tmp_path / "ckpt")
+    common = [*tiny_training_args(tmp_path / "ckpt", tmp_path), "--anchors", "8", "--layers",
+              "1,2", "--steps", "3"]  # fmt: skip
+    chained, paper = train_on_made_up_conversations(
+        firp, common, [*common, "--training", "paper", "--out", str(tmp_path / "paper")]
+    )
+    assert paper["final_loss_per_step"][1] == pytest.approx(chained["final_loss_per_step"][1])
+    assert abs(paper["final_loss_per_step"][2] - chained["final_loss_per_step"][2]) > 1e-3
+    assert "the real states before its position" in (tmp_path / "paper" / "CARD.md").read_text()
+    model = load_model(tmp_path / "ckpt")
+    settings, dparams, _ = load_drafter(tmp_path / "paper", "firp", model.cfg)
+    drafter = make_drafter("firp", model.cfg, settings)
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
+    spec = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, tree_preset("chain-2"))
     assert spec.generate(prompt, 24).token_ids == ar
 
 

@@ -5,12 +5,15 @@
    at each t_i, last states) is computed once and cached on disk.
 2. Steps train in sequence: step i's map (identity-initialised) learns while maps 1..i-1,
    already trained, stay in place, so step i's pseudo state sees the earlier ones as at
-   inference. Anchors are sampled in the answers; the loss is KL(P_{q+i} || P~_q): the base
-   model's distribution at position q+i against the pseudo state's (cross-entropy to the
-   teacher's soft labels; the teacher's entropy is constant).
+   inference (`--training chained`, the default). `--training paper` is §3.3's: step i's
+   pseudo state for position q+i sees the real states up to q+i-1 and no other pseudo
+   state, so each map learns on its own. Anchors are sampled in the answers; the loss is
+   KL(P_{q+i} || P~_q): the base model's distribution at position q+i against the pseudo
+   state's (cross-entropy to the teacher's soft labels; the teacher's entropy is constant).
 3. Orbax checkpoints every --save-every steps; a rerun resumes (stage and step).
 4. Evaluation: per-step top-1..5 agreement with the base model's greedy tokens on the test
-   split; trees searched from it; the drafter and its card are written to --out, then its
+   split, pseudo states drafted as at inference (chained) for either training; trees
+   searched from it; the drafter and its card are written to --out, then its
    accepted tokens per step are measured (train/acceptance.py).
 """
 
@@ -68,6 +71,13 @@ def parse_args(argv):
         help="cache the real pass for these layers (a superset of --layers: ablations share it)",
     )
     p.add_argument("--anchors", type=positive_int, default=64, help="anchors sampled per sequence")
+    p.add_argument(
+        "--training",
+        choices=("chained", "paper"),
+        default="chained",
+        help="chained: each pseudo state sees the anchor's context and the chain's earlier "
+        "pseudo states, as when drafting; paper: the real states before its position (§3.3)",
+    )
     p.add_argument(
         "--variant",
         choices=("firp", "unchained", "early-exit"),
@@ -158,12 +168,13 @@ def sample_anchors(rng, low, high, count) -> np.ndarray:
     )
 
 
-def pseudo_logits(base, cfg, maps, layers, batch, anchors, variant="firp"):
+def pseudo_logits(base, cfg, maps, layers, batch, anchors, variant="firp", paper=False):
     """Batch of cached passes -> pseudo logits [B,A,K,V] for K = len(maps) steps.
 
     variant "firp"; "unchained": a step does not see its chain's earlier steps (Fig. 7);
     "early-exit": the mapped state goes straight to the lm_head, skipping the remaining
-    layers (what FIRP's refinement is measured against, Fig. 3)."""
+    layers (what FIRP's refinement is measured against, Fig. 3). paper: step i sees the
+    real states before its position instead of the chain (--training paper)."""
     states = batch["states"]
     if variant == "early-exit":
         at = [
@@ -173,7 +184,7 @@ def pseudo_logits(base, cfg, maps, layers, batch, anchors, variant="firp"):
         return lm_logits(base, cfg, jnp.stack(at, 2))
     pseudo, _ = pseudo_forward(
         base, cfg, maps, layers, batch["keys"], batch["values"], states, anchors,
-        variant != "unchained",
+        variant != "unchained" and not paper, teacher_forced=paper,
     )  # fmt: skip
     return lm_logits(base, cfg, pseudo)
 
@@ -184,14 +195,15 @@ def teacher_logits(base, cfg, last, anchors, step):
     return lm_logits(base, cfg, h)
 
 
-@partial(jax.jit, static_argnames=("cfg", "layers", "optimizer", "variant"))
-def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer, variant):
-    """One update of the newest map (the others frozen) -> state, loss."""
+@partial(jax.jit, static_argnames=("cfg", "layers", "optimizer", "variant", "paper"))
+def train_step(state, frozen, base, batch, anchors, *, cfg, layers, optimizer, variant, paper):
+    """One update of the newest map (the others frozen; with `paper` they do not reach its
+    pseudo state) -> state, loss."""
     stage = len(frozen) + 1
 
     def loss_fn(current):
         maps = [*frozen, current]
-        logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, variant)
+        logits = pseudo_logits(base, cfg, maps, layers, batch, anchors, variant, paper)
         logits = logits[:, :, -1]
         teacher = jax.nn.softmax(teacher_logits(base, cfg, batch["last"], anchors, stage), -1)
         return optax.softmax_cross_entropy(logits, teacher).mean()
@@ -327,6 +339,7 @@ class Firp(Trainer):
                 state, state["maps"][:stage], self.model.params,
                 self.train_pass.batch(rows, layers), jnp.asarray(anchors), cfg=self.cfg,
                 layers=layers[: stage + 1], optimizer=self.optimizer, variant=args.variant,
+                paper=args.training == "paper",
             )  # fmt: skip
             losses[stage + 1] = float(loss)
             bar.update()
@@ -365,6 +378,14 @@ def train(argv) -> dict:
     return skeleton.train(Firp, parse_args(argv))
 
 
+TRAINING = {
+    "chained": "trained in sequence (each pseudo state sees the chain's earlier ones, as when "
+    "drafting)",
+    "paper": "each trained on its own, its pseudo state seeing the real states before its "
+    "position (the paper's §3.3)",
+}
+
+
 def card(args, cfg, report) -> str:
     rows = "\n".join(
         f"| {k + 1} | {report['layers'][k]} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
@@ -376,7 +397,7 @@ def card(args, cfg, report) -> str:
   pass the remaining layers and the model's own lm_head.
 - Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
   ShareGPT train-split conversations; {args.anchors} anchors per sequence per step.
-- Training: {args.steps} steps per FIRP step, trained in sequence, {args.batch} sequences per
+- Training: {args.steps} steps per FIRP step, {TRAINING[args.training]}, {args.batch} sequences per
   step, AdamW lr {args.lr} cosine, KL to the base model's distributions;
   {report["train_minutes"]} minutes end to end on the machine that trained it.
 - Final training loss per FIRP step: {report["final_loss_per_step"]}

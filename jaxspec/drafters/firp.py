@@ -207,16 +207,23 @@ def real_context(params, cfg: LlamaConfig, tokens, layers):
 
 
 def pseudo_forward(
-    params, cfg: LlamaConfig, maps, layers, keys, values, states, anchors, chained=True, collect=()
-):
+    params, cfg: LlamaConfig, maps, layers, keys, values, states, anchors, chained=True,
+    collect=(), teacher_forced=False,
+):  # fmt: skip
     """Pseudo chains of K = len(maps) steps against real context: keys/values per layer
     [B,Kv,n,H] (None below layers[0]), states {t_i: [B,n,D]}, anchors [B,A] -> (pseudo last
     states [B,A,K,D], {layer count in collect: [B,m,D] the m pseudo tokens joined by then,
-    step-major}). Anchor a's chain sees real tokens <= a, as in a verify step."""
+    step-major}). Anchor a's chain sees real tokens <= a, as in a verify step;
+    teacher_forced: step i's pseudo state sees the real tokens <= a + i - 1 instead (the FIRP
+    paper's training, §3.3: only real tokens precede each pseudo one)."""
     B, A, K, D = *anchors.shape, len(maps), cfg.dim
     n = states[layers[0]].shape[1]
     context = KVCache(tuple(keys), tuple(values), jnp.zeros((B,), jnp.int32))
-    context_mask = jnp.tile(jnp.arange(n)[None, None, :] <= anchors[:, :, None], (1, K, 1))
+    seen = (
+        anchors[:, None, :, None]
+        + (jnp.arange(K) if teacher_forced else jnp.zeros(K, int))[None, :, None, None]
+    )  # [B,K,A,1]: the last real position each step's pseudo state sees
+    context_mask = (jnp.arange(n) <= seen).reshape(B, K * A, n)  # step-major rows
     chain = jnp.asarray(chain_mask(A, K, chained))
     pos = pseudo_positions(jnp.broadcast_to(jnp.arange(n), (B, n)), anchors, K)
     bounds = (*layers[:K], cfg.n_layers)
