@@ -6,6 +6,7 @@
     python -m repro.ppd_study tradeoff   # Figs. 3-4 from the measured match rates
     python -m repro.ppd_study latency    # measured vs predicted vs simulated per-token latency
     python -m repro.ppd_study templates  # Table 2 again, prompts in the paper's Table 1 formats
+    python -m repro.ppd_study templates-chat  # the same formats as the chat template's user turn
 
 p_correct: the token the model produced next is among the top-k early predictions at
 layer d̄ (1/3, 1/2, 2/3, 5/6 and 0.93 of the 30 layers), untrained (final norm + lm_head)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -154,8 +156,10 @@ def part_match(args, model) -> dict:
     return result
 
 
-def part_templates(args, model) -> dict:
-    """part_match with the paper's prompt formats and answer lengths (PAPER_TASKS)."""
+def part_templates(args, model, chat: bool = False) -> dict:
+    """part_match with the paper's prompt formats and answer lengths (PAPER_TASKS): the raw
+    text, as the paper prompts its model, or (`chat`) as the user turn of the chat template
+    (the instruction-tuned model often ends a raw-text answer at once)."""
     from jaxspec.data.sources import load_questions
 
     layers = tuple(int(x) for x in args.layers.split(","))
@@ -165,10 +169,11 @@ def part_templates(args, model) -> dict:
     for cat, (task, new_tokens) in PAPER_TASKS.items():
         texts = [paper_prompt(cat, q.turns[0]) for q in questions if q.category == cat]
         texts = texts[: args.per_category]
-        prompts = [encode_prompt(model.tokenizer, t, chat=False) for t in texts]
+        prompts = [encode_prompt(model.tokenizer, t, chat=chat) for t in texts]
         outputs = answers(model, prompts, new_tokens)
         result["categories"][cat] = {
             "stands_in_for": task, "new_tokens": new_tokens, "example_prompt": texts[0],
+            "answer_tokens": sum(map(len, outputs)),
             **match_rates(model, heads, prompts, outputs, layers),
         }  # fmt: skip
     return result
@@ -262,7 +267,8 @@ def part_latency(args, model) -> dict:
 
 
 PARTS = {"match": part_match, "decoding": part_decoding, "tradeoff": part_tradeoff,
-         "latency": part_latency, "templates": part_templates}  # fmt: skip
+         "latency": part_latency, "templates": part_templates,
+         "templates-chat": partial(part_templates, chat=True)}  # fmt: skip
 
 
 def main(argv=None) -> None:
