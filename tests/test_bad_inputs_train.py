@@ -61,6 +61,8 @@ CASES = [
     Case("cpu-tree", "train", tiny_args("sdsat", "--cpu-tree", "bushy"), "unknown tree 'bushy'"),
     Case("cpu-tree-dynamic", "train", tiny_args("sdsat", "--cpu-tree", "dynamic-8"),
          "sdsat drafts fixed trees"),  # fmt: skip
+    Case("loss-basic-adapter", "train", tiny_args("sdsat", "--loss", "basic"),
+         "--loss basic applies to --mode full only"),  # fmt: skip
     Case("out-not-empty", "train", tiny_args("medusa"), "is not empty; pass --overwrite",
          setup=write("out/CARD.md"), keep=("out",)),
     Case("out-under-a-file", "train", tiny_args("ppd", "--out", lambda f, _: f / "f" / "sub"),

@@ -118,14 +118,14 @@ def medusa(tmp, monkeypatch, targets="self") -> dict:
     return programs
 
 
-def firp(tmp, monkeypatch, stage: int = 1) -> dict:
+def firp(tmp, monkeypatch, stage: int = 1, argv=()) -> dict:
     """FIRP step `stage` (1: no frozen map; 2: the first map frozen, as `fit` moves on)."""
     programs = {}
     monkeypatch.setattr(train.firp, "self_answers", lambda *args: made_up_answers())
     record(monkeypatch, programs, train.firp, "train_step")
     record(monkeypatch, programs, train.firp, "topk_hits")
     trainer, manager, state = started(
-        train.firp, train.firp.Firp, ["--layers", "2,4", "--anchors", "4"], tmp
+        train.firp, train.firp.Firp, ["--layers", "2,4", "--anchors", "4", *argv], tmp
     )
     if stage == 2:  # the first FIRP step's updates done: `fit` freezes its map
         state = {**state, "stage_step": jnp.int32(trainer.args.steps)}
@@ -192,10 +192,10 @@ def sdsat(tmp, monkeypatch) -> dict:
     return programs
 
 
-def sdsat_full(tmp, monkeypatch) -> dict:
+def sdsat_full(tmp, monkeypatch, loss="improved") -> dict:
     programs = {}
     record(monkeypatch, programs, train.sdsat_full, "full_step")
-    argv = ["--mode", "full", "--ids", "2", "--window", "3", "--mask-rate", "0.3"]
+    argv = ["--mode", "full", "--ids", "2", "--window", "3", "--mask-rate", "0.3", "--loss", loss]
     trainer, manager, state = started(
         train.sdsat, train.sdsat_full.FullSdsat, argv, tmp,
         answers=lambda features=False: (made_up_answers(), made_up_answers()),
@@ -228,6 +228,7 @@ TRAINERS = {
     "medusa-kl": (partial(medusa, targets="kl"), {"train_step"}),
     "firp": (firp, {"train_step", "topk_hits"}),
     "firp-stage2": (partial(firp, stage=2), {"train_step"}),
+    "firp-paper": (partial(firp, stage=2, argv=["--training", "paper"]), {"train_step"}),
     "chimera": (chimera, {"train_step", "topk_hits"}),
     "chimera-distill": (
         partial(chimera, argv=["--targets", "self", "--distill", "0.5"]),
@@ -236,6 +237,7 @@ TRAINERS = {
     "sdsat": (sdsat, {"train_step", "span_hits"}),
     "eagle": (eagle, {"train_step", "topk_hits"}),
     "sdsat-full": (sdsat_full, {"full_step"}),
+    "sdsat-full-basic": (partial(sdsat_full, loss="basic"), {"full_step"}),
     "ppd": (ppd, {"layer_states", "train_step", "match_hits"}),
 }
 

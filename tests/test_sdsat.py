@@ -295,6 +295,11 @@ def test_full_fine_tuning_extends_the_vocabulary_and_decodes_losslessly(tiny_ckp
             "--mask-rate", "0.3", "--cpu-tree", "chain-3"]  # fmt: skip
     (report,) = train_on_made_up_conversations(sdsat, args)
     assert report["steps"] == 3 and report["final_adaptive_loss"] > 0
+    curve = report["loss_curve"]  # 3 steps: one window
+    assert curve["from_step"] == 0 and len(curve["standard"]) == len(curve["adaptive"]) == 1
+    test = report["test"]
+    assert 0 < test["standard_loss"] < 20
+    assert test["standard_loss"] != test["standard_loss_original"]
     base, tuned = load_model(tiny_ckpt[0]), load_model(tmp_path / "full")
     assert tuned.cfg.vocab_size == base.cfg.vocab_size + 2
     gen = build_generator(tuned, "sdsat", tmp_path / "full" / "sdsat")
@@ -304,3 +309,52 @@ def test_full_fine_tuning_extends_the_vocabulary_and_decodes_losslessly(tiny_ckp
     prompt = [5, 9, 11, 30, 7]
     ar = SpeculativeGenerator(tuned.cfg, tuned.params).generate(prompt, 20).token_ids
     assert gen.generate(prompt, 20).token_ids == ar
+
+
+@pytest.mark.parametrize("loss", ["improved", "basic"])
+def test_full_step_losses_are_the_papers(loss):
+    """Eq. 9 (improved): 1/2 (clean cross-entropy over the answer + cross-entropy at the
+    adaptive inputs of the mixed sequence); Eq. 8 (basic, Appendix A): cross-entropy over
+    every answer target of the mixed sequence, its standard part at the ordinary inputs.
+    Checked against cross-entropies computed here from the model's logits."""
+    import optax
+
+    from train.sdsat_full import answer_targets, full_step
+
+    cfg, params = tiny(vocab=61)  # ids 59, 60 are the adaptive ones
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 59, (2, 12)).astype(np.int32)
+    starts, lengths = np.array([3, 5]), np.array([12, 10])
+    masked = np.zeros((2, 12), bool)
+    masked[0, 5:8], masked[1, 6:7] = True, True
+    offset = np.zeros((2, 12), np.int32)
+    offset[0, 5:8], offset[1, 6] = [0, 1, 2], 0
+    answer = answer_targets(starts, lengths, 12)
+    mixed = np.where(masked, np.minimum(59 + offset, 60), tokens)
+
+    def ce(seq):  # [2,11] next-token cross-entropy
+        logits, _, _ = forward(params, cfg, jnp.asarray(seq), jnp.broadcast_to(jnp.arange(12),
+                               (2, 12)), None, causal_mask(2, 12))  # fmt: skip
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -np.take_along_axis(np.asarray(logp), seq[:, 1:, None], 2)[..., 0]
+
+    def mean(x, w):
+        return (x * w).sum() / w.sum()
+
+    at_adaptive = answer * masked[:, :-1]
+    adaptive = mean(ce(mixed), at_adaptive)
+    if loss == "improved":
+        standard = mean(ce(tokens), answer)
+        expected = 0.5 * (standard + adaptive)
+    else:
+        standard = mean(ce(mixed), answer - at_adaptive)
+        expected = mean(ce(mixed), answer)
+        assert not np.isclose(standard, mean(ce(tokens), answer))  # the mixed sequence's
+    optimizer = optax.sgd(0.0)
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
+    _, (value, got_standard, got_adaptive) = full_step(
+        state, tokens, answer, masked, offset, cfg=cfg, optimizer=optimizer, n_ids=2, w=1.0,
+        loss=loss,
+    )  # fmt: skip
+    np.testing.assert_allclose([value, got_standard, got_adaptive],
+                               [expected, standard, adaptive], rtol=1e-5)  # fmt: skip

@@ -17,7 +17,13 @@ from jaxspec.outputs import write_text
 
 # Flags added after runs were made, with their defaults: hashed only when set otherwise, so
 # those runs still resume.
-LATER_FLAGS = {"bottom": "ngram", "init": None, "own_lm_head": False, "training": "chained"}
+LATER_FLAGS = {
+    "bottom": "ngram",
+    "init": None,
+    "own_lm_head": False,
+    "training": "chained",
+    "loss": "improved",
+}
 
 
 def run_name(args) -> str:

@@ -72,6 +72,13 @@ def parse_args(argv):
         "$JAXSPEC_HOME/models/<model>-sdsat-full)",
     )
     p.add_argument("--mask-rate", type=probability, default=0.1, help="full mode: span start rate")
+    p.add_argument(
+        "--loss",
+        choices=("improved", "basic"),
+        default="improved",
+        help="full mode: improved, the paper's loss (Eq. 9: clean sequence + adaptive positions); "
+        "basic, its Appendix A baseline (Eq. 8: cross-entropy over the whole mixed sequence)",
+    )
     p.add_argument("--rank", type=nonnegative_int, default=16, help="LoRA rank of the adapter")
     p.add_argument("--ids", type=positive_int, default=1, help="distinct adaptive token ids")
     p.add_argument("--window", type=positive_int, default=8, help="max mask window L")
@@ -258,6 +265,8 @@ class Sdsat(Trainer):
 
 def train(argv) -> dict:
     args = parse_args(argv)
+    if args.loss != "improved" and args.mode != "full":
+        raise JaxspecError(f"--loss {args.loss} applies to --mode full only; add --mode full")
     if args.mode == "full":
         from .sdsat_full import FullSdsat  # builds on Sdsat (a module-level import would cycle)
 
