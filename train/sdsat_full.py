@@ -103,7 +103,7 @@ def answer_targets(starts, lengths, S: int) -> np.ndarray:
     return ((target >= starts[:, None]) & (target < lengths[:, None])).astype(np.float32)
 
 
-def test_standard_loss(params, cfg, data: dict, batch: int = 4) -> float:
+def clean_answer_loss(params, cfg, data: dict, batch: int = 4) -> float:
     """Mean next-token cross-entropy of the clean test answers (no adaptive token anywhere:
     the model's quality as inference uses it on ordinary tokens)."""
     total = count = 0.0
@@ -134,7 +134,7 @@ class FullSdsat(Sdsat):
         )["embed"]
         self.tuned_cfg, self.extended = extend_vocabulary(self.cfg, self.model.params, rows)
         # before training: the training state shares (and donates) the original's arrays
-        self.original_loss = test_standard_loss(self.model.params, self.cfg, self.test_data)
+        self.original_loss = clean_answer_loss(self.model.params, self.cfg, self.test_data)
 
     def start(self):
         """From the extended model (--init is an adapter's: not for this mode)."""
@@ -184,7 +184,7 @@ class FullSdsat(Sdsat):
         drafter = SdsatDrafter(self.tuned_cfg, 0, args.ids)
         dparams = {"embed": self.tuned["embed_tokens"][self.cfg.vocab_size :]}
         evaluation = self.evaluate_test(drafter, self.tuned, dparams)
-        evaluation["standard_loss"] = round(test_standard_loss(self.tuned, self.tuned_cfg,
+        evaluation["standard_loss"] = round(clean_answer_loss(self.tuned, self.tuned_cfg,
                                                                self.test_data), 4)  # fmt: skip
         evaluation["standard_loss_original"] = round(self.original_loss, 4)
         report = {"steps": int(state["step"]), **record, "test": evaluation}
