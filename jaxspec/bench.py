@@ -171,8 +171,6 @@ class Runner:
             if "ppd_k" in REGISTRY[method].options:
                 options["ppd_k"] = ppd_k
             drafter_dir = (drafters or {}).get(row_source(name))  # None: the shipped one
-            if method == "ar" and sampling is not None:  # nothing drafted: plain sampling
-                sampling = dataclasses.replace(sampling, typical=False)
             self.generator = build_generator(
                 model, method, drafter_dir, sampling=sampling, products=products, **options
             )

@@ -230,7 +230,7 @@ def speculative_step(
     keys = position_keys(key, cache.lengths)
     if sampling.greedy:
         nodes, n_accepted, bonus = accept_greedy(topo, tokens, logits)
-    elif sampling.typical:
+    elif sampling.typical and tree.n_nodes > 1:  # nothing drafted (AR): plain sampling
         nodes, n_accepted, bonus = accept_typical(topo, tokens, logits, keys, sampling)
     else:
         nodes, n_accepted, bonus = accept_sampling(topo, tokens, logits, keys, sampling)

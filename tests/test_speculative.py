@@ -291,6 +291,10 @@ def test_typical_acceptance_accepts_likely_drafts_and_needs_sampling():
     )
     result = gen.generate(prompt, 30)
     assert result.token_ids == greedy_ar and result.mean_accepted > 3
+    # AR drafts nothing: with typical acceptance asked it samples exactly as plain sampling
+    sampled = [SpeculativeGenerator(cfg, params, sampling=Sampling(1.0, typical=t))
+               .generate(prompt, 30, seed=3).token_ids for t in (True, False)]  # fmt: skip
+    assert sampled[0] == sampled[1] != greedy_ar
     with pytest.raises(JaxspecError, match="--typical needs sampling"):
         Sampling(typical=True)
 
