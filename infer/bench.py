@@ -97,9 +97,10 @@ def parse_args(argv=None):
         help="weight dtype of every row; a row named METHOD:DTYPE (e.g. ar:float32) uses its own",
     )
     p.add_argument(
-        "--products", choices=PRODUCTS, default="exact",
-        help="how every row's bfloat16 weights multiply: exact (the default), plain-prefill "
-        "or plain (one bfloat16 pass in the prefill, or everywhere)",
+        "--products", choices=PRODUCTS,
+        help="how every row's bfloat16 weights multiply: exact, plain-prefill or plain (one "
+        "bfloat16 pass in the prefill, or everywhere); default plain-prefill on a GPU, "
+        "else exact",
     )  # fmt: skip
     p.add_argument(
         "--mesh", type=mesh_flag,

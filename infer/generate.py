@@ -96,9 +96,10 @@ def parse_args(argv=None):
         "CPU the D*M virtual devices are set up for you)",
     )  # fmt: skip
     p.add_argument(
-        "--products", choices=PRODUCTS, default="exact",
-        help="how bfloat16 weights multiply: exact (float32-accurate, the default), one "
-        "bfloat16 pass in the prefill only (plain-prefill) or everywhere (plain)",
+        "--products", choices=PRODUCTS,
+        help="how bfloat16 weights multiply: exact (float32-accurate), one bfloat16 pass "
+        "in the prefill only (plain-prefill) or everywhere (plain); default plain-prefill "
+        "on a GPU, else exact",
     )  # fmt: skip
     hosts.add_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

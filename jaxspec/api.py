@@ -34,7 +34,8 @@ class Generator:
     drafter: a drafter folder (None: the one shipped for the model); tree: a tree preset or
     one the drafter ships (None: the method's default for this backend); max_len: cache
     length limit (None: the model's context); products: how bfloat16 weights multiply,
-    "exact" (default), "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS). ppd_k /
+    "exact", "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS; None: the backend's
+    default, plain-prefill on a GPU, else exact). ppd_k /
     ppd_layer, firp_chains, sdsat_loop and retrieval (medusa, firp, chimera and eagle with a
     dynamic tree: that many of lookup's continuations join its candidates, scored by the
     higher of their own confidence and the drafter's) are those methods' options
@@ -52,7 +53,7 @@ class Generator:
         drafter: str | Path | None = None,
         tree: str | None = None,
         max_len: int | None = None,
-        products: str = "exact",
+        products: str | None = None,
         chat: bool = True,
         ppd_k: int | None = None,
         ppd_layer: int | None = None,

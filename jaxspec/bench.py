@@ -20,6 +20,8 @@ import jax
 from tqdm import tqdm
 
 from jaxspec.data.sources import load_questions, select_questions
+from jaxspec.decode import default_products
+from jaxspec.divergence import divergences
 from jaxspec.drafters.registry import REGISTRY, parse_row, row_source
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params
@@ -57,16 +59,20 @@ def run_benchmark(
     seed: int = 0,
     ppd_k: int | None = None,
     dtype: str = "float32",
-    products: str = "exact",
+    products: str | None = None,
     command: str = "",
     mesh: str | None = None,
+    one_shape: bool = False,
 ) -> dict:
     """Every row on the questions ('humaneval', 'sharegpt-test' or a Spec-Bench .jsonl) ->
     the result record (per-row and per-category tokens/s, speedup over "ar", mean accepted
     tokens, acceptance by depth, match_ar). drafters: METHOD or METHOD#LABEL (the rows so
     named) -> drafter folder replacing the shipped one; products: how every row's bfloat16
-    weights multiply (jaxspec.decode.PRODUCTS); mesh: "data=D,model=M" to split the model
-    over (jaxspec.mesh; ppd rows: each stage on M)."""
+    weights multiply (jaxspec.decode.PRODUCTS; None: the backend's default); mesh:
+    "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M);
+    one_shape (single_turn only): every row's programs sized for the longest prompt, so
+    each row compiles once for the whole run (where compiles are slow, a GPU), shorter
+    prompts padded."""
     methods = check_rows(rows)
     shape = parse_mesh(mesh) if mesh else None
     split = shape["model"] if shape else 1
@@ -93,10 +99,23 @@ def run_benchmark(
     runners = {
         m: Runner(m, model_for(m), sampling, seed, ppd_k, drafters, products) for m in methods
     }
+    if one_shape:
+        if not single_turn:
+            raise JaxspecError("one_shape sizes programs for the first turns: set single_turn")
+        longest = max(len(first_turn_ids(base.tokenizer, q)) for q in chosen)
+        for runner in runners.values():
+            runner.size_for(longest)
     records, turns = _play(runners, base.tokenizer, chosen, max_new_tokens, single_turn)
     references = {m: match_reference(m, dtype, methods) for m in methods}
     depths = {m: runner.max_depth for m, runner in runners.items()}
     overall, categories = summarize(records, methods, references, depths)
+    for m in methods if sampling.greedy else ():
+        if overall[m]["match_ar"] < 1:  # where its tokens leave AR's, and how near a tie
+            generations = [(r[5], r[1]) for r in records[m]]
+            reference = [(r[5], r[1]) for r in records[references[m]]]
+            overall[m]["divergences"] = divergences(
+                generations, reference, model_for(references[m])
+            )
     return {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} "
@@ -112,8 +131,9 @@ def run_benchmark(
         "top_k": sampling.top_k,
         "typical": sampling.typical,
         "dtype": dtype,
-        "products": products,
+        "products": products or default_products(),
         "mesh": mesh,
+        "one_shape": one_shape,
         "weight_bytes_per_device": base.bytes_per_device(),
         "drafters": {m: str(folder) for m, folder in drafters.items()},
         "methods": overall,
@@ -121,9 +141,13 @@ def run_benchmark(
     }
 
 
+def first_turn_ids(tokenizer, question) -> list[int]:
+    return encode_conversation(tokenizer, [{"role": "user", "content": question.turns[0]}])
+
+
 def _play(runners: dict, tokenizer, questions, max_new_tokens: int, single_turn: bool):
     """Each question's turns as a conversation, row by row -> (records, generations per row)."""
-    warm = encode_conversation(tokenizer, [{"role": "user", "content": questions[0].turns[0]}])
+    warm = first_turn_ids(tokenizer, questions[0])
     for runner in runners.values():  # compile and warm up outside the timed region
         runner.generate(warm, max_new_tokens)
     records = {m: [] for m in runners}
@@ -138,7 +162,7 @@ def _play(runners: dict, tokenizer, questions, max_new_tokens: int, single_turn:
                 ids, steps, seconds, accepted = runner.generate(prompt_ids, max_new_tokens)
                 reply = tokenizer.decode(ids, skip_special_tokens=True)
                 history[m].append({"role": "assistant", "content": reply})
-                records[m].append((q.category, ids, steps, seconds, accepted))
+                records[m].append((q.category, ids, steps, seconds, accepted, prompt_ids))
                 bar.update()
     bar.close()
     return records, turns
@@ -159,7 +183,7 @@ class Runner:
 
     def __init__(
         self, name, model, sampling: Sampling | None = None, seed: int = 0, ppd_k=None,
-        drafters: dict[str, Path] | None = None, products: str = "exact",
+        drafters: dict[str, Path] | None = None, products: str | None = None,
     ):  # fmt: skip
         self.name, self.seed, self.max_depth = name, seed, 0
         if name == "hf":
@@ -176,6 +200,11 @@ class Runner:
             )
             tree = getattr(self.generator, "tree", None)  # PPD has none
             self.max_depth = tree.max_depth if tree is not None else 0
+
+    def size_for(self, prompt_len: int) -> None:
+        """Size this row's programs for prompts of at least prompt_len tokens."""
+        if self.name != "hf":
+            self.generator.min_prompt_len = prompt_len
 
     def generate(self, prompt_ids, max_new_tokens):
         if self.name == "hf":  # greedy AR: one token a forward pass
@@ -217,7 +246,8 @@ def acceptance(accepted: list[int], max_depth: int = 0) -> dict:
 
 
 def summarize(records, methods, references, depths=None):
-    """records: method -> list of (category, ids, steps, seconds, accepted per verify step);
+    """records: method -> list of (category, ids, steps, seconds, accepted per verify step,
+    ...);
     speedups are over "ar", match_ar is against references[method] (the AR row of the
     method's dtype); depths: method -> its tree's depth (acceptance_by_depth's length at
     least; None: as deep as accepted)."""

@@ -26,6 +26,7 @@ from jaxspec.drafters.base import Drafter, DraftInputs, Entered, NoDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
+from jaxspec.layers import EXACT_ROUNDING
 from jaxspec.llama import (
     embed,
     final_norm,
@@ -63,6 +64,14 @@ FUSED_ROWS = 32
 # prefill, so match_ar holds), or everywhere ("plain": whether greedy outputs still match
 # AR is for the device campaign to measure).
 PRODUCTS = ("exact", "plain-prefill", "plain")
+# The default by backend: plain-prefill where the device campaign measured it faster with
+# the same tokens (a GPU: BENCHMARKS.md, the first GPU run); exact elsewhere (TPU unmeasured).
+DEFAULT_PRODUCTS = {"gpu": "plain-prefill"}
+
+
+def default_products() -> str:
+    return DEFAULT_PRODUCTS.get(jax.default_backend(), "exact")
+
 
 # On a mesh, each program's arguments and results by kind, which decides their shardings
 # (`SpeculativeGenerator._sharding`): "placed" (weights, as the generator placed them),
@@ -281,15 +290,17 @@ class SpeculativeGenerator:
         sampling: Sampling | None = None,
         max_len: int | None = None,
         prefill_chunk: int | None = None,
-        products: str = "exact",
+        products: str | None = None,
         mesh=None,
     ):
         """prefill_chunk: prompts longer than this many tokens are prefilled in chunks of
-        it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS; mesh: a
-        jax.sharding.Mesh (jaxspec.mesh) to decode on, tensor-parallel over its `model`
-        axis and rows over `data` (params and drafter params are placed on it by the
-        parameter table, `mesh.table_specs`, unless they already are); None: the mesh the
-        params are placed on (load_model(mesh=...)), if any, else one device."""
+        it (None: PREFILL_CHUNK for this backend); products: one of PRODUCTS (None:
+        default_products()); mesh: a jax.sharding.Mesh (jaxspec.mesh) to decode on,
+        tensor-parallel over its `model` axis and rows over `data` (params and drafter
+        params are placed on it by the parameter table, `mesh.table_specs`, unless they
+        already are); None: the mesh the params are placed on (load_model(mesh=...)), if
+        any, else one device."""
+        products = products or default_products()
         if products not in PRODUCTS:
             raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
         mesh = mesh_of(params) if mesh is None else as_mesh(mesh)
@@ -306,6 +317,9 @@ class SpeculativeGenerator:
         self.sampling = sampling or Sampling()
         self.max_len = max_len or cfg.max_position
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 2048)
+        # Programs are sized as for prompts of at least this many tokens (no longer than a
+        # chunk): one shape for prompts of many lengths, where compiles are slow (a GPU).
+        self.min_prompt_len = 0
         check_tree_width(self.tree, cfg)
         self.drafter.check_tree(self.tree)
         self.drafter_state = None
@@ -403,11 +417,12 @@ class SpeculativeGenerator:
         """What a request compiles for -> (whether its prompt is prefilled in chunks, the
         prefill's width: the prompt bucket or the chunk size, the cache length). Programs
         are compiled once per distinct value (and batch size)."""
-        S = self.cache_len(prompt_len, max_new_tokens)
+        S = self.cache_len(max(prompt_len, self.min_prompt_len), max_new_tokens)
         if self.prefill_chunk < prompt_len:
             C = self.prefill_chunk  # the last chunk is written whole, padding included:
             return True, C, max(S, -(-prompt_len // C) * C)  # room for it past the prompt
-        return False, min(bucket(prompt_len, MIN_PROMPT_BUCKET), S), S
+        width = max(prompt_len, min(self.min_prompt_len, self.prefill_chunk))
+        return False, min(bucket(width, MIN_PROMPT_BUCKET), S), S
 
     def check_memory(self, batch: int, cache_len: int) -> None:
         """Refuse, before allocating, a step that would not fit in the memory available."""
@@ -474,7 +489,10 @@ class SpeculativeGenerator:
             return self._executables[key], 0.0
         start = time.perf_counter()
         plan = self.lowerings(pre_args, cache)
-        programs = {name: p.lower(*args, **kw).compile() for name, (p, args, kw) in plan.items()}
+        programs = {  # roundings as written: EXACT_ROUNDING
+            name: p.lower(*args, **kw).compile(EXACT_ROUNDING)
+            for name, (p, args, kw) in plan.items()
+        }
         self._warm_up(programs, pre_args, cache.max_len)
         self._executables[key] = programs
         return programs, time.perf_counter() - start

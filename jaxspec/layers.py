@@ -14,6 +14,11 @@ from jaxspec.config import LlamaConfig, RopeScaling
 # Every float32 product in true float32: GPUs would otherwise run them on TF32 tensor cores
 # (10-bit mantissas), and the model's greedy tokens would depend on how rows are batched.
 FLOAT32 = jax.lax.Precision.HIGHEST
+# Compiler options of every program whose tokens must equal AR's: roundings as written.
+# With excess precision allowed (XLA's default), XLA:GPU may drop an f32 -> bf16 -> f32
+# round trip or keep a bfloat16 intermediate in float32 within a fusion: that would undo
+# split_bfloat16's exact split and make a program's numbers depend on how it was fused.
+EXACT_ROUNDING = {"xla_allow_excess_precision": False}
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -89,7 +89,7 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
 
     if sampling is not None and not sampling.greedy:
         raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
-    if products != "exact":
+    if products not in (None, "exact"):
         raise JaxspecError("ppd multiplies exactly: --products applies to the other methods")
     split = 1 if model.mesh is None else model.mesh.shape["model"]
     if model.mesh is not None and model.mesh.shape["data"] > 1:
@@ -152,13 +152,13 @@ def build_generator(
     tree: str | None = None,
     sampling: Sampling | None = None,
     max_len: int | None = None,
-    products: str = "exact",
+    products: str | None = None,
     **options,
 ):
     """The generator of method `name`: drafter_dir None is the shipped drafter, tree None
-    the drafter's default; products: how bfloat16 weights multiply (decode.PRODUCTS);
-    options are the method's own (`registry.Method.options`: ppd_k, ppd_layer, firp_chains,
-    sdsat_loop, retrieval), None meaning its default."""
+    the drafter's default; products: how bfloat16 weights multiply (decode.PRODUCTS; None:
+    the backend's default); options are the method's own (`registry.Method.options`:
+    ppd_k, ppd_layer, firp_chains, sdsat_loop, retrieval), None meaning its default."""
     m = method(name)
     check_options(m, tree, drafter_dir, **options)
     if sampling is not None:

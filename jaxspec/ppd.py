@@ -37,7 +37,7 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache
-from jaxspec.layers import dense
+from jaxspec.layers import EXACT_ROUNDING, dense
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.mesh import check_divides, make_mesh, table_specs
 from jaxspec.mesh import place as place_by_table
@@ -129,7 +129,7 @@ def _put_params(params, cfg: LlamaConfig, stage):
     return place_by_table(params, table_specs(cfg, params), stage)
 
 
-@partial(jax.jit, static_argnames=("cfg", "start", "stop"))
+@partial(jax.jit, static_argnames=("cfg", "start", "stop"), compiler_options=EXACT_ROUNDING)
 def _layers(params, cache, h, position, *, cfg, start, stop):
     """One token's state h [1,1,D] at position [1] through layers [start, stop) against the
     cache -> (state, KVBlock of those layers)."""
@@ -138,22 +138,22 @@ def _layers(params, cache, h, position, *, cfg, start, stop):
     return h, block
 
 
-@partial(jax.jit, static_argnames=("cfg", "k"))
+@partial(jax.jit, static_argnames=("cfg", "k"), compiler_options=EXACT_ROUNDING)
 def _early_top(params, head, h, *, cfg, k):
     return jax.lax.top_k(early_logits(params, cfg, head, h[:, 0]), k)[1][0].astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("cfg",))
+@partial(jax.jit, static_argnames=("cfg",), compiler_options=EXACT_ROUNDING)
 def _next_token(params, h, *, cfg):
     return jnp.argmax(lm_logits(params, cfg, h)[:, 0], -1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("cfg",))
+@partial(jax.jit, static_argnames=("cfg",), compiler_options=EXACT_ROUNDING)
 def _embed_token(params, token, *, cfg):
     return embed(params, token.reshape(1, 1))
 
 
-@partial(jax.jit, static_argnames=("cfg",))
+@partial(jax.jit, static_argnames=("cfg",), compiler_options=EXACT_ROUNDING)
 def _prefill(params, tokens, length, *, cfg):
     B, P = tokens.shape
     h, block, _ = run_layers(params, cfg, embed(params, tokens), jnp.arange(P)[None], None,
@@ -212,12 +212,15 @@ class PpdGenerator:
         self.head_main = None if head is None else _put(head, self.main)
         self.last_stats: PpdStats | None = None
         self._warm: set[tuple[int, int]] = set()  # (prompt bucket, cache length) run before
+        self.min_prompt_len = 0  # sized as for prompts of at least this many tokens
 
     def lowerings(self, prompt_bucket: int, cache_len: int) -> dict[str, tuple]:
         """The jitted programs of a generation with this prompt bucket and cache length ->
         name: (program, arguments as ShapeDtypeStructs, static keywords), for lowering."""
         cfg, m, dbar = self.cfg, self.m, self.layer
-        shape = lambda f, *a, **kw: jax.eval_shape(partial(f, **kw), *a)  # noqa: E731
+        # The jitted function's own body: a jit with compiler options cannot be traced inside
+        # another trace, eval_shape's included.
+        shape = lambda f, *a, **kw: jax.eval_shape(partial(f.__wrapped__, **kw), *a)  # noqa: E731
         cache = jax.eval_shape(lambda: init_cache(cfg, 1, cache_len))
         sub_cfg = dataclasses.replace(cfg, n_layers=m)
         sub_cache = jax.eval_shape(lambda: init_cache(sub_cfg, 1, cache_len))
@@ -306,8 +309,10 @@ class PpdGenerator:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens=None) -> GenerationResult:  # fmt: skip
-        S = cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
-        P = min(bucket(len(prompt_ids), MIN_PROMPT_BUCKET), S)
+        sized = max(len(prompt_ids), self.min_prompt_len)
+        cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
+        S = cache_len(sized, max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
+        P = min(bucket(sized, MIN_PROMPT_BUCKET), S)
         compile_s = self._warm_up(P, S)
         tokens = np.zeros((1, P), np.int32)
         tokens[0, : len(prompt_ids)] = prompt_ids

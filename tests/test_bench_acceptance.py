@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.medusa import MedusaDrafter, MedusaSettings
 from jaxspec.drafters.store import save_drafter
+from jaxspec.errors import JaxspecError
 from jaxspec.ppd import PpdGenerator
 from jaxspec.tree import tree_preset
 from tests.drafters import OracleDrafter
@@ -132,3 +134,33 @@ def test_bench_reports_acceptance_by_depth_for_every_row(tiny_ckpt, medusa_folde
                 assert by_depth[0] == pytest.approx(1 - histogram[0] / verify_steps)
                 assert by_depth[1] == pytest.approx(histogram[2] / verify_steps)
     assert set(result["methods"]["medusa@comb-2-10"]) >= {"tokens_per_s", "match_ar", "speedup"}
+
+
+def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_path, monkeypatch):
+    """one_shape pads every prompt to the longest one's shape: each row compiles one shape,
+    same tokens and acceptance; it sizes programs for first turns, so a multi-turn run is
+    refused."""
+    questions = tmp_path / "q.jsonl"
+    turns = ["w5 w6", " ".join(f"w{i}" for i in range(5, 45))]  # prompt buckets 16 and 64
+    lines = [{"question_id": i, "category": "a", "turns": [t]} for i, t in enumerate(turns)]
+    questions.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    kw = dict(model=tiny_ckpt[0], max_new_tokens=8, drafters={"medusa": medusa_folder},
+              single_turn=True)  # fmt: skip
+    rows = ["ar", "medusa@comb-2-10", "ppd"]
+    own = run_benchmark(rows, str(questions), **kw)
+    shapes = defaultdict(set)  # generator -> the (prompt width, cache length) it compiled
+    programs = SpeculativeGenerator._programs
+
+    def spy(self, pre_args, cache):
+        shapes[id(self)].add((pre_args[2].shape, cache.max_len))
+        return programs(self, pre_args, cache)
+
+    monkeypatch.setattr(SpeculativeGenerator, "_programs", spy)
+    one = run_benchmark(rows, str(questions), one_shape=True, **kw)
+    assert len(shapes) == 2 and all(len(s) == 1 for s in shapes.values())  # ar, medusa
+    assert one["one_shape"] and not own["one_shape"]
+    for m in rows:
+        for key in ("new_tokens", "mean_accepted", "match_ar", "accepted_histogram"):
+            assert one["methods"][m][key] == own["methods"][m][key], (m, key)
+    with pytest.raises(JaxspecError, match="one_shape sizes programs for the first turns"):
+        run_benchmark(["ar"], str(questions), model=tiny_ckpt[0], one_shape=True)

@@ -54,6 +54,18 @@ def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
         assert part["status"] == "ok", (name, part.get("reason"), part.get("traceback"))
         assert [r for r in part["rows"] if "skipped" not in r], name
     parts = result["parts"]
+    numerics = {(r["what"], r["compile"], r["rows"]): r for r in parts["numerics"]["rows"]}
+    compiles = ("xla defaults", "exact rounding")
+    assert set(numerics) == {
+        (what, c, n) for what in ("products", "2-layer model") for c in compiles for n in (1, 3)
+    }
+    for c in compiles:  # XLA:CPU's products: float32-accurate, a row's bits its own
+        for n in (1, 3):
+            products = numerics[("products", c, n)]
+            assert products["row0_same_bits"] and products["error_vs_float64"] < 1e-6
+        alone = numerics[("2-layer model", c, 1)]
+        assert alone["row0_same_bits"] and alone["row0_max_diff"] == 0
+        assert numerics[("2-layer model", c, 3)]["row0_max_diff"] < 1e-5
     assert [r["batch"] for r in parts["ar"]["rows"]] == [1, 8]
     assert all(r["ms_per_step"] > 0 for r in parts["ar"]["rows"])
     for name in ("verify", "verify_wide"):

@@ -53,6 +53,22 @@ def test_compiles_once_per_bucket(tiny):
     assert again.compile_s == 0 and n_programs(gen) == 4
 
 
+def test_min_prompt_len_gives_prompts_of_every_length_one_shape(tiny):
+    """Sized for the longest prompt, AR and PPD compile once for prompts in other buckets
+    (a GPU's slow compiles), and decode the same tokens as each prompt's own shape."""
+    from jaxspec.ppd import PpdGenerator
+
+    cfg, params, _ = tiny
+    prompts = [[5, 6, 7], list(range(3, 40)), list(range(10, 70))]  # buckets 16, 48, 64
+    for make in (lambda: SpeculativeGenerator(cfg, params), lambda: PpdGenerator(cfg, params, 2)):
+        own, one = make(), make()
+        one.min_prompt_len = max(map(len, prompts))
+        for prompt in prompts:
+            assert one.generate(prompt, 12).token_ids == own.generate(prompt, 12).token_ids
+        warm = one._warm if isinstance(one, PpdGenerator) else one._executables
+        assert len(warm) == 1, "one shape for every prompt"
+
+
 def test_stops_at_eos_and_max_new_tokens(tiny):
     cfg, params, _ = tiny
     gen = SpeculativeGenerator(cfg, params)

@@ -4,6 +4,7 @@ prefill (shared by AR and every method, so their tokens still agree), or everywh
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +50,43 @@ def test_plain_prefill_keeps_methods_on_ar_tokens():
         assert len(got.token_ids) == 20
     with pytest.raises(JaxspecError, match="unknown products 'fast'"):
         SpeculativeGenerator(CFG, params, products="fast")
+
+
+def test_plain_prefill_is_the_default_on_a_gpu_only(monkeypatch):
+    """The backend picks the default products: plain-prefill on a GPU (measured faster
+    there), exact elsewhere; an explicit choice wins, and PPD (always exact) accepts the
+    default."""
+    from jaxspec.decode import default_products
+    from jaxspec.drafters.registry import method
+    from jaxspec.methods import build_ppd
+
+    params = compute_params(init_params(CFG, jax.random.key(0), scale=0.3), jnp.bfloat16)
+    for backend, want in [("cpu", "exact"), ("tpu", "exact"), ("gpu", "plain-prefill")]:
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert default_products() == want
+        q_proj = SpeculativeGenerator(CFG, params).prefill_params["layers"][0]["q_proj"]
+        assert isinstance(q_proj, PlainProducts) == (want == "plain-prefill")
+        exact = SpeculativeGenerator(CFG, params, products="exact")
+        assert not isinstance(exact.prefill_params["layers"][0]["q_proj"], PlainProducts)
+    model = types.SimpleNamespace(cfg=CFG, params=params, mesh=None)
+    ppd = build_ppd(model, method("ppd"), None, None, None, None, None, {"ppd_k": 2})
+    assert ppd.k == 2  # the backend's default products accepted: PPD multiplies exactly
+
+
+def test_decoding_programs_compile_with_roundings_as_written(monkeypatch):
+    """Every program of a generation is compiled with layers.EXACT_ROUNDING (no excess
+    precision: XLA:GPU could otherwise undo split_bfloat16's exact split)."""
+    from jaxspec.layers import EXACT_ROUNDING
+
+    options, compile_ = [], jax.stages.Lowered.compile
+
+    def recording(self, compiler_options=None, **kw):
+        options.append(compiler_options)
+        return compile_(self, compiler_options, **kw)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    params = compute_params(init_params(CFG, jax.random.key(0), scale=0.3), jnp.bfloat16)
+    medusa = MedusaDrafter(CFG, 2)
+    heads = compute_params(medusa.init(params, jax.random.key(1)), jnp.bfloat16)
+    SpeculativeGenerator(CFG, params, medusa, heads, tree_preset("comb-2-3")).generate([5, 9], 4)
+    assert len(options) >= 4 and all(o == EXACT_ROUNDING for o in options)

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig, preset
-from jaxspec.device_bench import end_to_end, shapes
+from jaxspec.device_bench import end_to_end, numerics, shapes
 from jaxspec.device_bench.device import device_info, floor_ms, software_info
 from jaxspec.device_bench.end_to_end import Skip
 from jaxspec.device_bench.report import markdown
@@ -40,6 +40,7 @@ class Sizes:
     wide_layers: int  # how many of its layers verify_wide runs
     batches: tuple[int, ...]
     nodes: tuple[int, ...]  # verify tree sizes (shapes.VERIFY_TREES)
+    numerics_rows: tuple[int, ...]  # rows computed together, row 0 compared with alone
     context: int  # tokens in the cache before the timed steps
     steps: int  # timed steps per row
     prefill: tuple[int, ...]  # prompt lengths
@@ -58,6 +59,7 @@ DEVICE = Sizes(
     wide_layers=4,
     batches=(1, 8),
     nodes=tuple(shapes.VERIFY_TREES),
+    numerics_rows=(1, 2, 8, 32),
     context=512,
     steps=48,
     prefill=(2048, 8192, 32768),
@@ -74,6 +76,7 @@ DRY = Sizes(
     wide_layers=2,
     batches=(1, 8),
     nodes=(1, 2, 8),
+    numerics_rows=(1, 3),
     context=32,
     steps=4,
     prefill=(32, 64, 128),
@@ -94,11 +97,12 @@ class Part:
 
 
 PARTS = {
-    "ar": Part("AR decode against the memory-bandwidth floor", 0.12),
-    "verify": Part("Verify step over trees of 1-64 nodes, over the AR step", 0.18),
+    "numerics": Part("Whether a row's numbers depend on the rows computed with it", 0.06),
+    "ar": Part("AR decode against the memory-bandwidth floor", 0.10),
+    "verify": Part("Verify step over trees of 1-64 nodes, over the AR step", 0.16),
     "prefill": Part("Prefill", 0.10),
     "default_model": Part("The default model end to end, every method", 0.48),
-    "verify_wide": Part("Verify step at 70B-layer shapes (a slice of its layers)", 0.12),
+    "verify_wide": Part("Verify step at 70B-layer shapes (a slice of its layers)", 0.10),
 }
 
 
@@ -234,6 +238,12 @@ class Campaign:
         if self._params is None:
             self._params = shapes.random_model(self.sizes.model, jnp.dtype(DTYPE))
         return self._params
+
+    def _numerics(self, record: dict, add) -> None:
+        s = self.sizes
+        record.update(model=config_summary(s.model), context=s.context)
+        numerics.product_rows(add, s.model.dim, s.model.ffn_dim, s.numerics_rows)
+        numerics.model_rows(add, s.model, s.context, s.numerics_rows)
 
     def _ar(self, record: dict, add) -> None:
         s = self.sizes

@@ -168,10 +168,11 @@ def default_model_rows(
                 dtype=dtype,
                 products="plain" if group == PLAIN else "exact",
                 command=f"device-bench {name} {group}",
+                one_shape=True,
             )
             fields["n_questions"] = result["n_questions"]
             for row, stats in result["methods"].items():
-                kept = {k: stats[k] for k in KEPT}
+                kept = {k: stats[k] for k in (*KEPT, "divergences") if k in stats}
                 add({"set": name, "group": group, "row": row, "tree": trees[row], **kept})
             for row in planned:
                 if "skipped" in row:

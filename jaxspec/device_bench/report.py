@@ -5,6 +5,14 @@ from __future__ import annotations
 
 # Per part: (row key, column header, format) of its table's columns.
 COLUMNS = {
+    "numerics": [
+        ("what", "computed", "{}"),
+        ("compile", "compiled with", "{}"),
+        ("rows", "rows", "{}"),
+        ("row0_same_bits", "row 0 same bits as alone", "{}"),
+        ("row0_max_diff", "row 0 max difference", "{:.3g}"),
+        ("error_vs_float64", "error vs float64", "{:.3g}"),
+    ],
     "ar": [
         ("batch", "batch", "{}"),
         ("context", "context", "{}"),
