@@ -247,10 +247,9 @@ def acceptance(accepted: list[int], max_depth: int = 0) -> dict:
 
 def summarize(records, methods, references, depths=None):
     """records: method -> list of (category, ids, steps, seconds, accepted per verify step,
-    ...);
-    speedups are over "ar", match_ar is against references[method] (the AR row of the
-    method's dtype); depths: method -> its tree's depth (acceptance_by_depth's length at
-    least; None: as deep as accepted)."""
+    prompt ids); speedups are over "ar", match_ar is against references[method] (the AR
+    row of the method's dtype); depths: method -> its tree's depth (acceptance_by_depth's
+    length at least; None: as deep as accepted)."""
 
     def stats(m, idx):
         rows, ar_rows = [records[m][i] for i in idx], [records[references[m]][i] for i in idx]

@@ -113,7 +113,7 @@ def time_steps(cfg, params, dtype, tree: TreeSpec, batch: int, context: int, ste
     step = speculative_step.lower(
         params, drafter_params, cache, token, candidates, key, state, **static
     ).compile(EXACT_ROUNDING)  # as SpeculativeGenerator compiles it
-    carry = run(3, cache, token, candidates, state)  # compile and warm up
+    carry = run(3, cache, token, candidates, state)  # warm up
     first_s = time.perf_counter() - start
     start = time.perf_counter()
     run(steps, *carry)
