@@ -24,6 +24,7 @@ from jaxspec.decode import default_products
 from jaxspec.divergence import divergences
 from jaxspec.drafters.registry import REGISTRY, parse_row, row_source
 from jaxspec.errors import JaxspecError
+from jaxspec.generate import MIN_PROMPT_BUCKET, bucket
 from jaxspec.llama import compute_params
 from jaxspec.mesh import make_mesh, parse_mesh
 from jaxspec.methods import build_generator, provide_devices, provide_devices_for
@@ -109,12 +110,14 @@ def run_benchmark(
     references = {m: match_reference(m, dtype, methods) for m in methods}
     depths = {m: runner.max_depth for m, runner in runners.items()}
     overall, categories = summarize(records, methods, references, depths)
+    longest = max(len(r[5]) + len(r[1]) for rows in records.values() for r in rows)
+    width = bucket(longest, MIN_PROMPT_BUCKET)  # one width for the run: one compile
     for m in methods if sampling.greedy else ():
         if overall[m]["match_ar"] < 1:  # where its tokens leave AR's, and how near a tie
             generations = [(r[5], r[1]) for r in records[m]]
             reference = [(r[5], r[1]) for r in records[references[m]]]
             overall[m]["divergences"] = divergences(
-                generations, reference, model_for(references[m])
+                generations, reference, model_for(references[m]), width=width
             )
     return {
         "date": datetime.date.today().isoformat(),

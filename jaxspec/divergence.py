@@ -34,19 +34,21 @@ def _logits_after(params, cfg, tokens, length):
     return logits[0, length - 1]
 
 
-def top2_margin(model, ids: list[int]) -> float:
-    """The model's top-1 minus top-2 logit for the token after ids (0: a tie)."""
-    tokens = np.zeros((1, bucket(len(ids), MIN_PROMPT_BUCKET)), np.int32)  # few shapes
+def top2_margin(model, ids: list[int], width: int = 0) -> float:
+    """The model's top-1 minus top-2 logit for the token after ids (0: a tie), computed
+    over max(width, the bucket of len(ids)) positions (one width: one compile)."""
+    tokens = np.zeros((1, max(width, bucket(len(ids), MIN_PROMPT_BUCKET))), np.int32)
     tokens[0, : len(ids)] = ids
     logits = _logits_after(model.params, model.cfg, tokens, len(ids))
     top = jax.lax.top_k(logits, 2)[0]
     return float(top[0] - top[1])
 
 
-def divergences(rows, reference_rows, model, limit: int = 3) -> list[dict]:
+def divergences(rows, reference_rows, model, limit: int = 3, width: int = 0) -> list[dict]:
     """rows, reference_rows: (prompt ids, new ids) per generation -> for the first `limit`
     generations whose new ids differ: the generation's index, the first differing position,
-    both tokens there (None past a list's end) and the reference model's top-2 margin at it."""
+    both tokens there (None past a list's end) and the reference model's top-2 margin at it
+    (top2_margin's width)."""
     found = []
     for i, ((_, ids), (prompt, ref)) in enumerate(zip(rows, reference_rows, strict=True)):
         at = first_difference(ids, ref)
@@ -58,7 +60,7 @@ def divergences(rows, reference_rows, model, limit: int = 3) -> list[dict]:
                 "position": at,
                 "ar_token": ref[at] if at < len(ref) else None,
                 "row_token": ids[at] if at < len(ids) else None,
-                "ar_margin": top2_margin(model, prompt + ref[:at]),
+                "ar_margin": top2_margin(model, prompt + ref[:at], width),
             }
         )
         if len(found) == limit:

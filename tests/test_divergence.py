@@ -30,6 +30,7 @@ def test_top2_margin_is_hf_logits_top_two_gap(tiny_ckpt, n):
         logits = hf(torch.tensor([ids])).logits[0, -1]
     top = torch.topk(logits, 2).values
     assert top2_margin(model, ids) == pytest.approx(float(top[0] - top[1]), abs=1e-4)
+    assert top2_margin(model, ids, width=64) == pytest.approx(top2_margin(model, ids), abs=1e-5)
 
 
 def test_divergences_name_the_first_differing_generations(tiny_ckpt):
