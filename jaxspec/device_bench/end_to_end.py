@@ -32,7 +32,8 @@ LOOKUP_32 = "comb-8-4"  # lookup's row in the SEARCHED group (33 nodes; it has n
 DYNAMIC = "dynamic-32"  # the drafters that choose their nodes each step, at 32 nodes
 PLAIN = "default, plain products"  # the default rows, AR included, multiplying bfloat16
 # weights in one pass everywhere (decode.PRODUCTS): their speed, and whether match_ar holds
-# the rows: each method at its default tree; at SEARCHED; at DYNAMIC; PLAIN
+# the rows: each method at its default tree; at SEARCHED; at DYNAMIC (those three with
+# the backend's default products, decode.default_products); PLAIN
 GROUPS = ("default", SEARCHED, DYNAMIC, PLAIN)
 # The fields of a bench row the campaign keeps.
 KEPT = ("tokens_per_s", "speedup", "mean_accepted", "match_ar", "new_tokens", "seconds")
@@ -166,7 +167,7 @@ def default_model_rows(
                 drafters=drafters,
                 single_turn=True,
                 dtype=dtype,
-                products="plain" if group == PLAIN else "exact",
+                products="plain" if group == PLAIN else None,
                 command=f"device-bench {name} {group}",
                 one_shape=True,
             )
