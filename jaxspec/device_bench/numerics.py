@@ -72,13 +72,13 @@ def model_rows(add: Add, cfg: LlamaConfig, context: int, rows: tuple[int, ...]) 
     )
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, max(rows))), jnp.int32)
 
-    def logits(tokens, cache):
-        T = tokens.shape[1]
+    def logits(params, tokens, cache):  # weights an argument: captured, they would be
+        T = tokens.shape[1]  # constants of the program (slow to compile)
         positions = context + jnp.arange(T)[None]
         return forward(params, cfg, tokens, positions, cache, causal_mask(1, T))[0][:, 0]
 
     for label, options in COMPILES.items():
-        alone = run_compiled(logits, (tokens[:, :1], cache), options)
+        alone = run_compiled(logits, (params, tokens[:, :1], cache), options)
         for n in rows:
-            among = run_compiled(logits, (tokens[:, :n], cache), options)
+            among = run_compiled(logits, (params, tokens[:, :n], cache), options)
             compare(add, "2-layer model", label, n, among, alone)
