@@ -58,11 +58,11 @@ PREFILL_CHUNK = {"cpu": 2048, "gpu": 2048, "tpu": 2048}
 # that at 32, so one read of the [V, D] matrix beats two up to here.
 FUSED_ROWS = 32
 
-# How bfloat16 weights multiply (layers.dense): "exact" everywhere (float32-accurate, a row's
-# result independent of the rows beside it: the verify step's tokens are AR's); one
-# bfloat16 pass in the prefill only ("plain-prefill": AR and every method share the
-# prefill, so match_ar holds), or everywhere ("plain": whether greedy outputs still match
-# AR is for the device campaign to measure).
+# How bfloat16 weights multiply (layers.dense): "exact" everywhere (float32-accurate, so a
+# verify step's rows agree with AR's to float32 rounding); one bfloat16 pass in the prefill
+# only ("plain-prefill": every method computes the prompt's rows exactly as AR's prefill
+# does, so match_ar holds), or everywhere ("plain": whether greedy outputs still match AR
+# is for the device campaign to measure).
 PRODUCTS = ("exact", "plain-prefill", "plain")
 # The default by backend: plain-prefill where the device campaign measured it faster with
 # the same tokens (a GPU: BENCHMARKS.md, the first GPU run); exact elsewhere (TPU unmeasured).
@@ -181,7 +181,7 @@ def prefill_and_draft(
     positions = start[:, None] + jnp.arange(P)
     collect = _collected_layers(drafter, cfg)
     last = (lengths - 1)[:, None]  # [B,1]
-    _, block, states, drafted = drafter.run_model(
+    _, block, states, drafted = drafter.prefill_model(
         params, drafter_params, cfg, embed(params, tokens), positions, cache,
         causal_mask(B, P), last, collect, tree.max_depth,
     )  # fmt: skip

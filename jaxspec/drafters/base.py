@@ -87,7 +87,8 @@ class Drafter:
 
     `collect`: the layer counts whose hidden states `propose` needs.
     `check_tree(tree)`: raise JaxspecError if the drafter cannot fill this tree.
-    `run_model(...)`: the model's forward; drafters that draft inside it (FIRP) override it.
+    `run_model(...)`: the model's forward; drafters that draft inside it (FIRP) override it,
+    and `prefill_model(...)` too (the prompt's forward: its rows alone, then the drafts').
     `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
     the token for every non-root tree node (for a dynamic tree: a topology.Draft, the
     nodes it chose with their tokens).
@@ -136,6 +137,12 @@ class Drafter:
         depth: how many draft depths the tree uses."""
         h, block, states = run_layers(params, cfg, h, positions, cache, new_mask, collect=collect)
         return h, block, states, None
+
+    def prefill_model(self, *args):
+        """run_model for a prompt (anchors: its last token). Drafters whose drafts run
+        beside the real tokens override it to compute the prompt's rows exactly as the
+        plain forward does (AR's prefill), bit for bit on any backend."""
+        return self.run_model(*args)
 
     def propose(self, params, drafter_params, tree: TreeSpec, inputs: DraftInputs, key):
         raise NotImplementedError

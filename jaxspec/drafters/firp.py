@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.chains import chain_mask, joint_mask, pseudo_positions
+from jaxspec.chains import after_prompt, chain_mask, joint_mask, pseudo_positions
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, tree_candidates
 from jaxspec.drafters.settings import DrafterSettings
@@ -179,6 +179,32 @@ class FirpDrafter(Drafter):
             step = np.minimum(shift[:, None] + np.arange(K), K - 1)  # [T,K]
             pseudo = pseudo[:, slot[:, None], step]  # [B,T,K,D]
         return h[:, :T], KVBlock(tuple(keys), tuple(values)), states, pseudo
+
+    def prefill_model(
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
+    ):
+        """run_model for a prompt in two passes: the prompt's rows alone (AR's prefill),
+        then the pseudo chains of anchors [B,A] against its keys and values."""
+        B, T, D = h.shape
+        A, K = anchors.shape[1], min(self.n_steps, depth)
+        bounds = (0, *self.layers[:K], cfg.n_layers)
+        h, block, states = run_layers(
+            params, cfg, h, positions, cache, new_mask, collect=(*collect, *bounds[1 : K + 1])
+        )  # fmt: skip
+        context, sees = after_prompt(cache, block, new_mask, anchors, K)
+        pos = pseudo_positions(positions, anchors, K)  # [B,K*A]
+        chain = jnp.broadcast_to(jnp.asarray(chain_mask(A, K)), (B, K * A, K * A))
+        pseudo = jnp.zeros((B, 0, D), h.dtype)
+        for s in range(K):  # step s joins at layer t_s, from its anchor's state there
+            at_anchor = jnp.take_along_axis(states[bounds[s + 1]], anchors[:, :, None], axis=1)
+            pseudo = jnp.concatenate([pseudo, apply_map(drafter_params["maps"][s], at_anchor)], 1)
+            n = (s + 1) * A
+            pseudo, _, _ = run_layers(
+                params, cfg, pseudo, pos[:, :n], context, chain[:, :n, :n], bounds[s + 1],
+                bounds[s + 2], context_mask=sees[:, :n],
+            )  # fmt: skip
+        pseudo = pseudo.reshape(B, K, A, D).transpose(0, 2, 1, 3)
+        return h, block, {i: states[i] for i in collect}, pseudo
 
     def guesses(self, params, drafter_params, tree, inputs) -> jax.Array:
         """The pseudo chain's logits [B,d,V] at the accepted node (d = the tree's depth)."""

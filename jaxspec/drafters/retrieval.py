@@ -69,6 +69,9 @@ class RetrievalDrafter(Drafter):
     def run_model(self, *args):
         return self.inner.run_model(*args)
 
+    def prefill_model(self, *args):
+        return self.inner.prefill_model(*args)
+
     def projected_rows(self, *args):
         return self.inner.projected_rows(*args)
 

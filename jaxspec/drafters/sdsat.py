@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.chains import joint_mask, pseudo_positions
+from jaxspec.chains import after_prompt, chain_mask, joint_mask, pseudo_positions
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import CPU_TREE, Drafter, resolve_tree, tree_candidates
 from jaxspec.drafters.settings import DrafterSettings
@@ -176,6 +176,29 @@ class SdsatDrafter(Drafter):
         states = {i: x[:, :T] for i, x in states.items()}
         drafted = h[:, T:].reshape(B, depth, A, D).transpose(0, 2, 1, 3)
         return h[:, :T], block, states, drafted
+
+    def prefill_model(
+        self, params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
+    ):
+        """run_model for a prompt in two passes (one-forward loop): the prompt's rows alone
+        (AR's prefill), then the adaptive chains of anchors [B,A] against its keys and
+        values."""
+        real = super().run_model(
+            params, drafter_params, cfg, h, positions, cache, new_mask, anchors, collect, depth
+        )  # fmt: skip
+        if not self.one_forward:
+            return real
+        h, block, states, _ = real
+        B, A, D = h.shape[0], anchors.shape[1], h.shape[2]
+        context, sees = after_prompt(cache, block, new_mask, anchors, depth)
+        adaptive_h = self.adaptive_embeddings(drafter_params, depth).astype(h.dtype)  # [k,D]
+        chains = jnp.broadcast_to(jnp.repeat(adaptive_h, A, axis=0), (B, depth * A, D))
+        chain = jnp.broadcast_to(jnp.asarray(chain_mask(A, depth)), (B, depth * A, depth * A))
+        drafted, _, _ = run_layers(
+            params, cfg, chains, pseudo_positions(positions, anchors, depth), context, chain,
+            context_mask=sees, linears=self.linears(drafter_params, jnp.ones((B, depth * A), bool)),
+        )  # fmt: skip
+        return h, block, states, drafted.reshape(B, depth, A, D).transpose(0, 2, 1, 3)
 
     def projected_rows(self, params, drafter_params, h, drafted, depth):
         """One-forward loop: every node's adaptive chain, normed [B,T,k,D]."""
