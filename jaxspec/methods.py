@@ -89,8 +89,6 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
 
     if sampling is not None and not sampling.greedy:
         raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
-    if products not in (None, "exact"):
-        raise JaxspecError("ppd multiplies exactly: --products applies to the other methods")
     split = 1 if model.mesh is None else model.mesh.shape["model"]
     if model.mesh is not None and model.mesh.shape["data"] > 1:
         raise JaxspecError(
@@ -108,7 +106,7 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
     layer = options.get("ppd_layer") or default_layer
     layer = layer or (model.cfg.n_layers + 1) // 2
     return PpdGenerator(model.cfg, model.params, k, layer, heads.get(head_name(layer)), max_len,
-                        model_split=split)  # fmt: skip
+                        model_split=split, products=products)  # fmt: skip
 
 
 def build_lookup(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, products, options):

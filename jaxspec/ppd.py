@@ -33,12 +33,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import LlamaConfig
+from jaxspec.decode import PRODUCTS, default_products
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache
 from jaxspec.layers import EXACT_ROUNDING, dense
-from jaxspec.llama import embed, lm_logits, run_layers
+from jaxspec.llama import embed, lm_logits, plain_products, run_layers
 from jaxspec.mesh import check_divides, make_mesh, table_specs
 from jaxspec.mesh import place as place_by_table
 
@@ -196,8 +197,13 @@ class PpdGenerator:
     """
 
     def __init__(self, cfg, params, k: int = 3, layer: int | None = None, head=None,
-                 max_len: int | None = None, devices=None, model_split: int = 1):  # fmt: skip
+                 max_len: int | None = None, devices=None, model_split: int = 1,
+                 products: str | None = None):  # fmt: skip
         devices = list(devices or jax.devices())
+        products = products or default_products()
+        if products not in PRODUCTS:
+            raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
+        params = plain_products(params) if products == "plain" else params
         layer = layer if layer is not None else (cfg.n_layers + 1) // 2
         check_settings(cfg, k, layer)
         self.cfg, self.k, self.layer, self.head = cfg, k, layer, head
@@ -207,6 +213,10 @@ class PpdGenerator:
         if model_split > 1:
             check_divides(cfg, self.main)
         self.params = _put_params(params, cfg, self.main)
+        # as SpeculativeGenerator multiplies: AR's prefill and steps, bit for bit
+        self.prefill_params = (
+            plain_products(self.params) if products == "plain-prefill" else self.params
+        )
         lower = {**params, "layers": params["layers"][: self.m]}
         self.sub_params = [_put_params(lower, cfg, d) for d in self.subs]
         self.head_main = None if head is None else _put(head, self.main)
@@ -226,12 +236,12 @@ class PpdGenerator:
         sub_cache = jax.eval_shape(lambda: init_cache(sub_cfg, 1, cache_len))
         tokens = jax.ShapeDtypeStruct((1, prompt_bucket), jnp.int32)
         one = jax.ShapeDtypeStruct((1,), jnp.int32)
-        token, block = shape(_prefill, self.params, tokens, one, cfg=cfg)
+        token, block = shape(_prefill, self.prefill_params, tokens, one, cfg=cfg)
         h = shape(_embed_token, self.params, token, cfg=cfg)
         lower = {**self.params, "layers": self.params["layers"][:m]}
         layers = lambda p, c, a, b: (_layers, (p, c, h, one), dict(cfg=cfg, start=a, stop=b))  # noqa: E731
         return {
-            "prefill": (_prefill, (self.params, tokens, one), dict(cfg=cfg)),
+            "prefill": (_prefill, (self.prefill_params, tokens, one), dict(cfg=cfg)),
             "commit_prompt": (commit, (cache, block, one), {}),
             "embed": (_embed_token, (self.params, token), dict(cfg=cfg)),
             "layers_to_early_exit": layers(self.params, cache, 0, dbar),
@@ -249,7 +259,7 @@ class PpdGenerator:
         cfg, m = self.cfg, self.m
         length = jnp.asarray([length], jnp.int32)
         cache = _put(init_cache(cfg, 1, S), self.main)
-        token, block = _prefill(self.params, _put(tokens, self.main), length, cfg=cfg)
+        token, block = _prefill(self.prefill_params, _put(tokens, self.main), length, cfg=cfg)
         cache = commit(cache, block, length)
         lower_cfg = dataclasses.replace(cfg, n_layers=m)
         sub_caches = [

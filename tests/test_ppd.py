@@ -13,7 +13,7 @@ from jaxspec.checkpoint import load_checkpoint
 from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
-from jaxspec.llama import init_params
+from jaxspec.llama import compute_params, init_params
 from jaxspec.ppd import PpdGenerator, check_settings
 from tests.conftest import tiny_training_args, train_on_made_up_conversations
 
@@ -34,6 +34,18 @@ def test_ppd_output_is_greedy(name, k, layer):
     gen = PpdGenerator(cfg, params, k, layer)
     assert gen.generate(prompt, 40).token_ids == ar
     assert any(gen.last_stats.matches)  # sub-processes' states were handed over
+
+
+@pytest.mark.parametrize("products", ["plain-prefill", "plain"])
+def test_ppd_multiplies_as_ar_does(products):
+    """bfloat16 weights with one-pass products (a GPU's default: the prefill's): PPD's
+    tokens are AR's with the same products."""
+    cfg, params = deep_tiny()
+    params = compute_params(params, jnp.bfloat16)
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params, products=products).generate(prompt, 30).token_ids
+    gen = PpdGenerator(cfg, params, 2, 3, products=products)
+    assert gen.generate(prompt, 30).token_ids == ar
 
 
 def test_a_trained_head_changes_the_guesses_not_the_output():

@@ -54,8 +54,7 @@ def test_plain_prefill_keeps_methods_on_ar_tokens():
 
 def test_plain_prefill_is_the_default_on_a_gpu_only(monkeypatch):
     """The backend picks the default products: plain-prefill on a GPU (measured faster
-    there), exact elsewhere; an explicit choice wins, and PPD (always exact) accepts the
-    default."""
+    there), exact elsewhere; an explicit choice wins, PPD's included."""
     from jaxspec.decode import default_products
     from jaxspec.drafters.registry import method
     from jaxspec.methods import build_ppd
@@ -70,7 +69,10 @@ def test_plain_prefill_is_the_default_on_a_gpu_only(monkeypatch):
         assert not isinstance(exact.prefill_params["layers"][0]["q_proj"], PlainProducts)
     model = types.SimpleNamespace(cfg=CFG, params=params, mesh=None)
     ppd = build_ppd(model, method("ppd"), None, None, None, None, None, {"ppd_k": 2})
-    assert ppd.k == 2  # the backend's default products accepted: PPD multiplies exactly
+    assert isinstance(ppd.prefill_params["layers"][0]["q_proj"], PlainProducts)  # a GPU's
+    assert not isinstance(ppd.params["layers"][0]["q_proj"], PlainProducts)
+    ppd = build_ppd(model, method("ppd"), None, None, None, None, "exact", {"ppd_k": 2})
+    assert not isinstance(ppd.prefill_params["layers"][0]["q_proj"], PlainProducts)
 
 
 def test_decoding_programs_compile_with_roundings_as_written(monkeypatch):
