@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -64,6 +65,7 @@ def run_benchmark(
     command: str = "",
     mesh: str | None = None,
     one_shape: bool = False,
+    warm_up_workers: int = 1,
 ) -> dict:
     """Every row on the questions ('humaneval', 'sharegpt-test' or a Spec-Bench .jsonl) ->
     the result record (per-row and per-category tokens/s, speedup over "ar", mean accepted
@@ -73,7 +75,8 @@ def run_benchmark(
     "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M);
     one_shape (single_turn only): every row's programs sized for the longest prompt, so
     each row compiles once for the whole run (where compiles are slow, a GPU), shorter
-    prompts padded."""
+    prompts padded; warm_up_workers: rows compiled and warmed up at once (threads: XLA
+    compiles outside Python's lock, so a many-core host compiles rows side by side)."""
     methods = check_rows(rows)
     shape = parse_mesh(mesh) if mesh else None
     split = shape["model"] if shape else 1
@@ -106,7 +109,9 @@ def run_benchmark(
         longest = max(len(first_turn_ids(base.tokenizer, q)) for q in chosen)
         for runner in runners.values():
             runner.size_for(longest)
-    records, turns = _play(runners, base.tokenizer, chosen, max_new_tokens, single_turn)
+    records, turns = _play(
+        runners, base.tokenizer, chosen, max_new_tokens, single_turn, warm_up_workers
+    )
     references = {m: match_reference(m, dtype, methods) for m in methods}
     depths = {m: runner.max_depth for m, runner in runners.items()}
     overall, categories = summarize(records, methods, references, depths)
@@ -148,11 +153,12 @@ def first_turn_ids(tokenizer, question) -> list[int]:
     return encode_conversation(tokenizer, [{"role": "user", "content": question.turns[0]}])
 
 
-def _play(runners: dict, tokenizer, questions, max_new_tokens: int, single_turn: bool):
+def _play(runners: dict, tokenizer, questions, max_new_tokens: int, single_turn: bool,
+          warm_up_workers: int = 1):  # fmt: skip
     """Each question's turns as a conversation, row by row -> (records, generations per row)."""
     warm = first_turn_ids(tokenizer, questions[0])
-    for runner in runners.values():  # compile and warm up outside the timed region
-        runner.generate(warm, max_new_tokens)
+    with ThreadPoolExecutor(max(1, warm_up_workers)) as pool:  # outside the timed region
+        list(pool.map(lambda runner: runner.generate(warm, max_new_tokens), runners.values()))
     records = {m: [] for m in runners}
     turns = sum(1 if single_turn else len(q.turns) for q in questions)
     bar = tqdm(total=turns * len(runners), desc="bench", unit="gen", file=sys.stderr)

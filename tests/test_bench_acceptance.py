@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from collections import defaultdict
 
 import jax
@@ -138,8 +139,8 @@ def test_bench_reports_acceptance_by_depth_for_every_row(tiny_ckpt, medusa_folde
 
 def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_path, monkeypatch):
     """one_shape pads every prompt to the longest one's shape: each row compiles one shape,
-    same tokens and acceptance; it sizes programs for first turns, so a multi-turn run is
-    refused."""
+    same tokens and acceptance, with the rows compiled side by side in threads; it sizes
+    programs for first turns, so a multi-turn run is refused."""
     questions = tmp_path / "q.jsonl"
     turns = ["w5 w6", " ".join(f"w{i}" for i in range(5, 45))]  # prompt buckets 16 and 64
     lines = [{"question_id": i, "category": "a", "turns": [t]} for i, t in enumerate(turns)]
@@ -152,12 +153,16 @@ def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_p
     programs = SpeculativeGenerator._programs
 
     def spy(self, pre_args, cache):
+        if (pre_args[2].shape, cache.max_len) not in shapes[id(self)]:  # a compile
+            threads.add(threading.get_ident())
         shapes[id(self)].add((pre_args[2].shape, cache.max_len))
         return programs(self, pre_args, cache)
 
+    threads = set()
     monkeypatch.setattr(SpeculativeGenerator, "_programs", spy)
-    one = run_benchmark(rows, str(questions), one_shape=True, **kw)
+    one = run_benchmark(rows, str(questions), one_shape=True, warm_up_workers=3, **kw)
     assert len(shapes) == 2 and all(len(s) == 1 for s in shapes.values())  # ar, medusa
+    assert threading.main_thread().ident not in threads  # compiled by the warm-up workers
     assert one["one_shape"] and not own["one_shape"]
     for m in rows:
         for key in ("new_tokens", "mean_accepted", "match_ar", "accepted_histogram"):

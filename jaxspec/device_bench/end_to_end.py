@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -170,6 +171,7 @@ def default_model_rows(
                 products="plain" if group == PLAIN else None,
                 command=f"device-bench {name} {group}",
                 one_shape=True,
+                warm_up_workers=min(len(trees), os.cpu_count() or 1),
             )
             fields["n_questions"] = result["n_questions"]
             for row, stats in result["methods"].items():
