@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.kv_cache import KVBlock, KVCache, write_rows
+from jaxspec.kv_cache import KVBlock, KVCache
 
 
 def chain_mask(n_anchors: int, n_steps: int, chained: bool = True) -> np.ndarray:
@@ -43,29 +43,18 @@ def pseudo_positions(positions: jax.Array, anchors: jax.Array, n_steps: int) -> 
 
 def after_prompt(
     cache: KVCache | None, block: KVBlock, new_mask: jax.Array, anchors: jax.Array, n_steps: int
-) -> tuple[KVCache, jax.Array]:
+) -> tuple[KVCache, KVBlock | None, jax.Array]:
     """A prompt's forward already run (its KVBlock `block`, T rows after the cache's) ->
-    what its chains attend to when they run in a pass of their own: a KVCache holding the
-    cache's slots and the block's (slot s = position s, T slots added so the block always
-    fits) and the chains' context mask [B,K*A,S] (step-major; each sees what its anchor
+    what its chains attend to when they run in a pass of their own (run_layers' cache,
+    context_block and context_mask [B,K*A,S(+T)], step-major; each sees what its anchor
     sees). The prompt's rows are then computed by exactly AR's prefill: rows computed
     beside them could change their bits on an accelerator (products tiled by row count)."""
     B, T, _ = new_mask.shape
     sees_new = jnp.take_along_axis(new_mask, anchors[:, :, None], axis=1)  # [B,A,T]
-    if cache is None:
+    if cache is None:  # the block as the cache: slot s holds position s
         context = KVCache(block.keys, block.values, jnp.zeros((B,), jnp.int32))
-        return context, jnp.tile(sees_new, (1, n_steps, 1))
-    start = cache.lengths
-
-    def grown(buffer, new):  # [B,K,S,H] -> [B,K,S+T,H] with new [B,K,T,H] at start
-        room = jnp.zeros((*buffer.shape[:2], T, buffer.shape[3]), buffer.dtype)
-        return write_rows(jnp.concatenate([buffer, room], axis=2), new, start)
-
-    keys = tuple(map(grown, cache.keys, block.keys))
-    values = tuple(map(grown, cache.values, block.values))
-    S = cache.max_len + T
-    offset = jnp.arange(S)[None] - start[:, None]  # [B,S] slot's index among the new rows
-    in_new = (offset >= 0) & (offset < T)
-    at = jnp.broadcast_to(jnp.clip(offset, 0, T - 1)[:, None], (B, anchors.shape[1], S))
-    sees = (jnp.take_along_axis(sees_new, at, axis=2) & in_new[:, None]) | (offset < 0)[:, None]
-    return KVCache(keys, values, start), jnp.tile(sees, (1, n_steps, 1))
+        return context, None, jnp.tile(sees_new, (1, n_steps, 1))
+    committed = jnp.arange(cache.max_len)[None] < cache.lengths[:, None]  # [B,S]
+    committed = jnp.broadcast_to(committed[:, None], (B, anchors.shape[1], cache.max_len))
+    sees = jnp.concatenate([committed, sees_new], axis=-1)  # [B,A,S+T]
+    return cache, block, jnp.tile(sees, (1, n_steps, 1))

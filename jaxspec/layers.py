@@ -139,14 +139,19 @@ def swiglu_mlp(x: jax.Array, linear) -> jax.Array:
 def attention(q, k_cache, v_cache, k_new, v_new, mask):
     """Grouped-query attention over [committed cache | new tokens], one softmax over both.
 
-    q [B,T,N,H]; k/v_cache [B,K,S,H] or None (no context: a prefill); k/v_new [B,K,T,H];
-    mask [B,T,S+T] (True = may attend) -> [B,T,N*H]. Query heads are grouped per kv head
-    as rows q = (g, t).
+    q [B,T,N,H]; k/v_cache [B,K,S,H], a tuple of such blocks (their slots one after the
+    other), or None (no context: a prefill); k/v_new [B,K,T,H]; mask [B,T,S+T] (True = may
+    attend) -> [B,T,N*H]. Query heads are grouped per kv head as rows q = (g, t).
     """
     B, T, N, H = q.shape
     K = k_new.shape[1]
     G = N // K
-    blocks = [(k_new, v_new)] if k_cache is None else [(k_cache, v_cache), (k_new, v_new)]
+    if k_cache is None:
+        blocks = [(k_new, v_new)]
+    elif isinstance(k_cache, tuple):
+        blocks = [*zip(k_cache, v_cache, strict=True), (k_new, v_new)]
+    else:
+        blocks = [(k_cache, v_cache), (k_new, v_new)]
     q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     scores = jnp.concatenate(
         [

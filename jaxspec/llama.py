@@ -139,6 +139,7 @@ def run_layers(
     collect: Sequence[int] = (),
     context_mask: jax.Array | None = None,
     linears: Callable[[int, dict], Linear] | None = None,
+    context_block: KVBlock | None = None,
 ) -> tuple[jax.Array, KVBlock, dict[int, jax.Array]]:
     """Run layers [start, stop) on hidden states h [B,T,D] at positions [B,T].
 
@@ -150,8 +151,11 @@ def run_layers(
     hidden_states[i]) is returned in the dict. `context_mask` [B,T,S], when given, replaces
     "sees the committed slots" with any per-token choice of cache slots (FIRP's training
     attends pseudo tokens to a prefix of the real ones). `linears(i, layer_params)`, when
-    given, supplies layer i's linear maps (an adapter's). With a sliding window (Mistral),
-    a token also sees only keys within the window behind it (cache slot s holds position s).
+    given, supplies layer i's linear maps (an adapter's). `context_block` (with
+    context_mask [B,T,S+T']): T' uncommitted tokens right after each row's committed ones,
+    read after the cache's slots (a prompt's forward, for chains computed after it). With a
+    sliding window (Mistral), a token also sees only keys within the window behind it
+    (cache slot s holds position s).
     """
     stop = cfg.n_layers if stop is None else stop
     cos, sin = rope_tables(cfg, positions)
@@ -163,11 +167,17 @@ def run_layers(
     else:
         mask = jnp.concatenate([context_mask, new_mask], axis=-1)
         keys_in, values_in = cache.keys, cache.values
+        if context_block is not None:
+            keys_in = tuple(zip(keys_in, context_block.keys, strict=True))
+            values_in = tuple(zip(values_in, context_block.values, strict=True))
     if cfg.sliding_window:  # keys: the cache's slots (slot s holds position s), then the new
         B, T = positions.shape
-        S = mask.shape[-1] - T
-        slots = jnp.broadcast_to(jnp.arange(S), (B, S))
-        key_positions = jnp.concatenate([slots, positions], axis=1)  # [B,S+T]
+        S = cache.max_len if cache is not None else 0
+        slots = [jnp.broadcast_to(jnp.arange(S), (B, S))]
+        if context_block is not None:  # right after each row's committed tokens
+            after = context_block.keys[0].shape[2]
+            slots.append(cache.lengths[:, None] + jnp.arange(after))
+        key_positions = jnp.concatenate([*slots, positions], axis=1)  # [B,S+T'+T]
         mask = jnp.logical_and(mask, within_window(positions, key_positions, cfg.sliding_window))
     keys, values = [], []
     collected = {start: h} if start in collect else {}

@@ -5,6 +5,8 @@ greedy outputs at near-ties) whenever chains are added beside them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,24 +31,27 @@ def drafters(cfg, params):
 
 def prompt_inputs(cfg, params, with_cache: bool):
     """-> (h [B,P,D], positions, cache or None, mask, anchors [B,1]): a right-padded prompt
-    (row 1 has 4 real tokens), after PREFIX committed tokens when with_cache."""
+    (row 1 has 4 real tokens), after PREFIX and 3 committed tokens when with_cache."""
     tokens = jax.random.randint(jax.random.key(5), (B, PREFIX + P), 0, cfg.vocab_size)
-    cache, start = None, 0
+    cache, start = None, jnp.zeros((B,), jnp.int32)
     if with_cache:
         cache = init_cache(cfg, B, 32)
         _, block, _ = run_layers(params, cfg, embed(params, tokens[:, :PREFIX]),
                                  jnp.broadcast_to(jnp.arange(PREFIX), (B, PREFIX)), None,
                                  causal_mask(B, PREFIX))  # fmt: skip
-        cache, start = commit(cache, block, jnp.full((B,), PREFIX, jnp.int32)), PREFIX
-    positions = jnp.broadcast_to(start + jnp.arange(P), (B, P))
+        start = jnp.asarray([PREFIX, 3], jnp.int32)  # rows of different lengths
+        cache = commit(cache, block, start)
+    positions = start[:, None] + jnp.arange(P)
     anchors = jnp.asarray([[P - 1], [3]])
     return embed(params, tokens[:, PREFIX:]), positions, cache, causal_mask(B, P), anchors
 
 
+@pytest.mark.parametrize("window", [0, 4])  # 4: a sliding window (Mistral) shorter than P
 @pytest.mark.parametrize("with_cache", [False, True])
 @pytest.mark.parametrize("which", ["firp", "sdsat"])
-def test_prefill_computes_the_prompt_alone_and_the_same_drafts(which, with_cache):
+def test_prefill_computes_the_prompt_alone_and_the_same_drafts(which, with_cache, window):
     cfg, params = deeper("tiny-gqa")
+    cfg = dataclasses.replace(cfg, sliding_window=window)
     drafter, dparams = drafters(cfg, params)[which]
     h, positions, cache, mask, anchors = prompt_inputs(cfg, params, with_cache)
     args = (params, dparams, cfg, h, positions, cache, mask, anchors, (2, cfg.n_layers), 3)

@@ -191,7 +191,7 @@ class FirpDrafter(Drafter):
         h, block, states = run_layers(
             params, cfg, h, positions, cache, new_mask, collect=(*collect, *bounds[1 : K + 1])
         )  # fmt: skip
-        context, sees = after_prompt(cache, block, new_mask, anchors, K)
+        context, prompt, sees = after_prompt(cache, block, new_mask, anchors, K)
         pos = pseudo_positions(positions, anchors, K)  # [B,K*A]
         chain = jnp.broadcast_to(jnp.asarray(chain_mask(A, K)), (B, K * A, K * A))
         pseudo = jnp.zeros((B, 0, D), h.dtype)
@@ -201,7 +201,7 @@ class FirpDrafter(Drafter):
             n = (s + 1) * A
             pseudo, _, _ = run_layers(
                 params, cfg, pseudo, pos[:, :n], context, chain[:, :n, :n], bounds[s + 1],
-                bounds[s + 2], context_mask=sees[:, :n],
+                bounds[s + 2], context_mask=sees[:, :n], context_block=prompt,
             )  # fmt: skip
         pseudo = pseudo.reshape(B, K, A, D).transpose(0, 2, 1, 3)
         return h, block, {i: states[i] for i in collect}, pseudo

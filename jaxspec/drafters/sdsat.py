@@ -190,13 +190,14 @@ class SdsatDrafter(Drafter):
             return real
         h, block, states, _ = real
         B, A, D = h.shape[0], anchors.shape[1], h.shape[2]
-        context, sees = after_prompt(cache, block, new_mask, anchors, depth)
+        context, prompt, sees = after_prompt(cache, block, new_mask, anchors, depth)
         adaptive_h = self.adaptive_embeddings(drafter_params, depth).astype(h.dtype)  # [k,D]
         chains = jnp.broadcast_to(jnp.repeat(adaptive_h, A, axis=0), (B, depth * A, D))
         chain = jnp.broadcast_to(jnp.asarray(chain_mask(A, depth)), (B, depth * A, depth * A))
+        adapted = self.linears(drafter_params, jnp.ones((B, depth * A), bool))  # every row
         drafted, _, _ = run_layers(
             params, cfg, chains, pseudo_positions(positions, anchors, depth), context, chain,
-            context_mask=sees, linears=self.linears(drafter_params, jnp.ones((B, depth * A), bool)),
+            context_mask=sees, context_block=prompt, linears=adapted,
         )  # fmt: skip
         return h, block, states, drafted.reshape(B, depth, A, D).transpose(0, 2, 1, 3)
 
