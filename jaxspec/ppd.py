@@ -203,7 +203,6 @@ class PpdGenerator:
         products = products or default_products()
         if products not in PRODUCTS:
             raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
-        params = plain_products(params) if products == "plain" else params
         layer = layer if layer is not None else (cfg.n_layers + 1) // 2
         check_settings(cfg, k, layer)
         self.cfg, self.k, self.layer, self.head = cfg, k, layer, head
@@ -212,13 +211,15 @@ class PpdGenerator:
         self.main, self.subs = place(stages(devices, model_split), k)
         if model_split > 1:
             check_divides(cfg, self.main)
-        self.params = _put_params(params, cfg, self.main)
-        # as SpeculativeGenerator multiplies: AR's prefill and steps, bit for bit
+        # Placed first (the parameter table reads plain arrays), then multiplied as
+        # SpeculativeGenerator multiplies: AR's prefill and steps, bit for bit.
+        plain = plain_products if products == "plain" else lambda placed: placed
+        self.params = plain(_put_params(params, cfg, self.main))
         self.prefill_params = (
             plain_products(self.params) if products == "plain-prefill" else self.params
         )
         lower = {**params, "layers": params["layers"][: self.m]}
-        self.sub_params = [_put_params(lower, cfg, d) for d in self.subs]
+        self.sub_params = [plain(_put_params(lower, cfg, d)) for d in self.subs]
         self.head_main = None if head is None else _put(head, self.main)
         self.last_stats: PpdStats | None = None
         self._warm: set[tuple[int, int]] = set()  # (prompt bucket, cache length) run before

@@ -426,3 +426,22 @@ def test_ppd_on_stages_split_over_model_is_greedy():
     assert gen.params["layers"][0]["q_proj"].sharding.spec == P(None, "model")
     assert gen.generate(prompt, 40).token_ids == ar
     assert any(gen.last_stats.matches)
+
+
+def test_ppd_with_plain_products_splits_the_weights_as_the_table_says():
+    """products="plain" on split stages: the weights are placed by the parameter table
+    first, then multiplied in one pass; AR's tokens with the same products."""
+    from jaxspec.layers import PlainProducts
+    from jaxspec.ppd import PpdGenerator
+
+    cfg = dataclasses.replace(CFG4, n_layers=6)
+    params = compute_params(init_params(cfg, jax.random.key(0), scale=0.3), jnp.bfloat16)
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params, products="plain").generate(prompt, 30).token_ids
+    with pytest.warns(RuntimeWarning, match="shared"):
+        gen = PpdGenerator(cfg, params, k=2, layer=3, model_split=2, products="plain")
+        exact = PpdGenerator(cfg, params, k=2, layer=3, model_split=2, products="exact")
+    q_proj, placed = gen.params["layers"][0]["q_proj"], exact.params["layers"][0]["q_proj"]
+    assert isinstance(q_proj, PlainProducts)
+    assert jax.tree.leaves(q_proj)[0].sharding == jax.tree.leaves(placed)[0].sharding
+    assert gen.generate(prompt, 30).token_ids == ar

@@ -39,7 +39,7 @@ def test_ppd_output_is_greedy(name, k, layer):
 @pytest.mark.parametrize("products", ["plain-prefill", "plain"])
 def test_ppd_multiplies_as_ar_does(products):
     """bfloat16 weights with one-pass products (a GPU's default: the prefill's): PPD's
-    tokens are AR's with the same products."""
+    tokens are AR's with the same products (split stages: test_mesh)."""
     cfg, params = deep_tiny()
     params = compute_params(params, jnp.bfloat16)
     prompt = [5, 6, 7, 8, 9]

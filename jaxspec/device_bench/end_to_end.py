@@ -88,7 +88,7 @@ def bench_rows(cfg, drafters: dict[str, Path], methods=METHODS[1:]) -> dict[str,
         groups[SEARCHED].append(searched)
         if fills_dynamic:
             groups[DYNAMIC].append(dynamic)
-    # PPD's pipeline has its own programs, always exact
+    # PPD left out: on one device its k + 1 stages run in turn (slow, and no tree to cost)
     groups[PLAIN] = [row for row in groups["default"] if method(row["row"]).tree]
     return groups
 
