@@ -66,7 +66,8 @@ def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
         alone = numerics[("2-layer model", c, 1)]
         assert alone["row0_same_bits"] and alone["row0_max_diff"] == 0
         assert numerics[("2-layer model", c, 3)]["row0_max_diff"] < 1e-5
-    assert [r["batch"] for r in parts["ar"]["rows"]] == [1, 8]
+    ar = [(r["batch"], r["products"]) for r in parts["ar"]["rows"]]
+    assert ar == [(1, "exact"), (1, "plain"), (8, "exact"), (8, "plain")]
     assert all(r["ms_per_step"] > 0 for r in parts["ar"]["rows"])
     for name in ("verify", "verify_wide"):
         rows = parts[name]["rows"]

@@ -15,6 +15,7 @@ COLUMNS = {
     ],
     "ar": [
         ("batch", "batch", "{}"),
+        ("products", "products", "{}"),
         ("context", "context", "{}"),
         ("ms_per_step", "ms / step", "{:.2f}"),
         ("tokens_per_s", "tokens/s", "{:.1f}"),

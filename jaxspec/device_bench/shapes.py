@@ -11,6 +11,7 @@ accepted path. Weights bfloat16, activations and the cache float32, as generatio
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import commit, init_cache
 from jaxspec.layers import EXACT_ROUNDING
-from jaxspec.llama import compute_params, init_params
+from jaxspec.llama import compute_params, init_params, plain_products
 from jaxspec.sampling import Sampling
 from jaxspec.tree import TreeSpec, tree_preset
 
@@ -120,11 +121,14 @@ def time_steps(cfg, params, dtype, tree: TreeSpec, batch: int, context: int, ste
     return {"ms_per_step": (time.perf_counter() - start) / steps * 1e3, "first_s": first_s}
 
 
-def ar_rows(add: Add, cfg, params, dtype, batches, context: int, steps: int, gbs) -> None:
-    """AR decode per batch size against the floor: every weight and each row's live cache
+def ar_rows(add: Add, cfg, params, dtype, batches, context: int, steps: int, gbs,
+            products=("exact", "plain")) -> None:  # fmt: skip
+    """AR decode per batch size and products (decode.PRODUCTS: what the three-pass exact
+    split costs a step) against the floor: every weight and each row's live cache
     (context plus half the timed steps, on average) read once per step."""
-    for batch in batches:
-        timed = time_steps(cfg, params, dtype, TreeSpec(()), batch, context, steps)
+    for batch, how in itertools.product(batches, products):
+        weights = plain_products(params) if how == "plain" else params
+        timed = time_steps(cfg, weights, dtype, TreeSpec(()), batch, context, steps)
         ms = timed["ms_per_step"]
         floor = floor_ms(
             weight_bytes(cfg, dtype) + cache_bytes(cfg, batch, context + steps / 2), gbs
@@ -132,6 +136,7 @@ def ar_rows(add: Add, cfg, params, dtype, batches, context: int, steps: int, gbs
         add(
             {
                 "batch": batch,
+                "products": how,
                 "context": context,
                 "ms_per_step": ms,
                 "ms_per_token": ms,  # each row's: a step gives every row one token
