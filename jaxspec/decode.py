@@ -555,7 +555,7 @@ class SpeculativeGenerator:
         chunked, width, S = self.shapes(P, max_new_tokens)
         self.check_memory(B, S)
         if chunked:
-            chunks, (tokens, tail) = _prompt_chunks(prompts, width)
+            chunks, (tokens, tail) = prompt_chunks(prompts, width)
         else:
             chunks, (tokens, tail) = [], _padded(prompts, width)
         cache = self._new_cache(B, S)
@@ -634,7 +634,7 @@ def _padded(prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarra
     return tokens, np.array([len(p) for p in prompts], np.int32)
 
 
-def _prompt_chunks(prompts: list[list[int]], C: int):
+def prompt_chunks(prompts: list[list[int]], C: int):
     """Prompts, the longest over C tokens -> (the chunks before each row's last: a list of
     (tokens [B,C], counts [B], the token following each row's part [B]), (the last chunk's
     tokens [B,C], their counts [B])). Row r's last chunk starts at the multiple of C below

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import PRODUCTS, default_products
+from jaxspec.decode import PREFILL_CHUNK, PRODUCTS, default_products, prompt_chunks
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
@@ -155,16 +155,37 @@ def _embed_token(params, token, *, cfg):
 
 
 @partial(jax.jit, static_argnames=("cfg",), compiler_options=EXACT_ROUNDING)
-def _prefill(params, tokens, length, *, cfg):
+def _prefill(params, tokens, length, cache=None, *, cfg):
+    """tokens [1,P] (the first `length` [1] real), after the cache's when one is given (a
+    long prompt's last chunk) -> (the first new token [1], the tokens' KVBlock)."""
     B, P = tokens.shape
-    h, block, _ = run_layers(params, cfg, embed(params, tokens), jnp.arange(P)[None], None,
+    positions = jnp.arange(P)[None] if cache is None else cache.lengths[:, None] + jnp.arange(P)
+    h, block, _ = run_layers(params, cfg, embed(params, tokens), positions, cache,
                              causal_mask(B, P))  # fmt: skip
     last = jnp.take_along_axis(h, (length - 1)[:, None, None], axis=1)
     return jnp.argmax(lm_logits(params, cfg, last)[:, 0], -1).astype(jnp.int32), block
 
 
+@partial(
+    jax.jit, static_argnames=("cfg",), compiler_options=EXACT_ROUNDING, donate_argnames=("cache",)
+)
+def _extend(params, cache, tokens, count, *, cfg):
+    """A chunk of a long prompt, as SpeculativeGenerator prefills one: tokens [1,C] (the
+    first count [1] real) after the cache's -> the cache with them committed."""
+    C = tokens.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(C)
+    _, block, _ = run_layers(params, cfg, embed(params, tokens), positions, cache,
+                             causal_mask(1, C))  # fmt: skip
+    return commit(cache, block, count)
+
+
 def _lower(block: KVBlock, m: int) -> KVBlock:
     return KVBlock(block.keys[:m], block.values[:m])
+
+
+def _lower_cache(cache: KVCache, m: int) -> KVCache:
+    """A copy of the cache's first m layers (a sub-process's own buffers)."""
+    return jax.tree.map(jnp.copy, KVCache(cache.keys[:m], cache.values[:m], cache.lengths))
 
 
 @dataclasses.dataclass
@@ -198,7 +219,7 @@ class PpdGenerator:
 
     def __init__(self, cfg, params, k: int = 3, layer: int | None = None, head=None,
                  max_len: int | None = None, devices=None, model_split: int = 1,
-                 products: str | None = None):  # fmt: skip
+                 products: str | None = None, prefill_chunk: int | None = None):  # fmt: skip
         devices = list(devices or jax.devices())
         products = products or default_products()
         if products not in PRODUCTS:
@@ -222,7 +243,8 @@ class PpdGenerator:
         self.sub_params = [plain(_put_params(lower, cfg, d)) for d in self.subs]
         self.head_main = None if head is None else _put(head, self.main)
         self.last_stats: PpdStats | None = None
-        self._warm: set[tuple[int, int]] = set()  # (prompt bucket, cache length) run before
+        self._warm: set[tuple] = set()  # (prompt bucket or chunk, cache length, chunked) run
+        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 2048)
         self.min_prompt_len = 0  # sized as for prompts of at least this many tokens
 
     def lowerings(self, prompt_bucket: int, cache_len: int) -> dict[str, tuple]:
@@ -243,6 +265,9 @@ class PpdGenerator:
         layers = lambda p, c, a, b: (_layers, (p, c, h, one), dict(cfg=cfg, start=a, stop=b))  # noqa: E731
         return {
             "prefill": (_prefill, (self.prefill_params, tokens, one), dict(cfg=cfg)),
+            "extend_prompt": (_extend, (self.prefill_params, cache, tokens, one), dict(cfg=cfg)),
+            "prefill_last_chunk": (_prefill, (self.prefill_params, tokens, one, cache),
+                                   dict(cfg=cfg)),
             "commit_prompt": (commit, (cache, block, one), {}),
             "embed": (_embed_token, (self.params, token), dict(cfg=cfg)),
             "layers_to_early_exit": layers(self.params, cache, 0, dbar),
@@ -255,19 +280,25 @@ class PpdGenerator:
                                                    start=0, stop=cfg.n_layers)[1], one), {}),
         }  # fmt: skip
 
-    def _start(self, tokens: np.ndarray, length: int, S: int) -> _Pipeline:
-        """Prefill tokens [1,P] (the first `length` real) into S-slot caches."""
-        cfg, m = self.cfg, self.m
-        length = jnp.asarray([length], jnp.int32)
-        cache = _put(init_cache(cfg, 1, S), self.main)
-        token, block = _prefill(self.prefill_params, _put(tokens, self.main), length, cfg=cfg)
+    def _start(self, prompt_ids: list[int], P: int, S: int, chunked: bool) -> _Pipeline:
+        """Prefill the prompt into S-slot caches: padded to P tokens, or in P-token chunks
+        (as SpeculativeGenerator does, so that AR's prompt and PPD's are the same bits)."""
+        cfg, main = self.cfg, self.main
+        cache = _put(init_cache(cfg, 1, S), main)
+        if chunked:
+            chunks, (tokens, tail) = prompt_chunks([prompt_ids], P)
+            for chunk, count, _ in chunks:
+                cache = _extend(self.prefill_params, cache, _put(chunk, main), _put(count, main),
+                                cfg=cfg)  # fmt: skip
+            length = jnp.asarray(tail)
+        else:
+            tokens = np.zeros((1, P), np.int32)
+            tokens[0, : len(prompt_ids)] = prompt_ids
+            length = jnp.asarray([len(prompt_ids)], jnp.int32)
+        token, block = _prefill(self.prefill_params, _put(tokens, main), length,
+                                cache if chunked else None, cfg=cfg)  # fmt: skip
         cache = commit(cache, block, length)
-        lower_cfg = dataclasses.replace(cfg, n_layers=m)
-        sub_caches = [
-            commit(_put(init_cache(lower_cfg, 1, S), d),
-                   _put(_lower(block, m), d), _put(length, d))
-            for d in self.subs
-        ]  # fmt: skip
+        sub_caches = [_put(_lower_cache(cache, self.m), d) for d in self.subs]
         return _Pipeline(cache, sub_caches, token)
 
     def _round(self, pipe: _Pipeline) -> tuple[int, np.ndarray, list]:
@@ -303,19 +334,20 @@ class PpdGenerator:
         pipe.handed = None
         return int(pipe.token[0]), np.asarray(guesses), sub_runs
 
-    def _warm_up(self, P: int, S: int) -> float:
+    def _warm_up(self, P: int, S: int, chunked: bool) -> float:
         """Compile and run once, on a throwaway prompt, every program that a generation with
-        a P-token prompt bucket and an S-slot cache runs: a prefill, a round that starts at
-        layer 0 and one that starts from a handed-over state -> seconds (0 if done before)."""
-        if (P, S) in self._warm:
+        a P-token prompt bucket (or chunk) and an S-slot cache runs: a prefill, a round that
+        starts at layer 0 and one that starts from a handed-over state -> seconds (0 if done
+        before)."""
+        if (P, S, chunked) in self._warm:
             return 0.0
         start = time.perf_counter()
-        pipe = self._start(np.zeros((1, P), np.int32), 1, S)
+        pipe = self._start([0] * (P + 1 if chunked else 1), P, S, chunked)
         _, _, sub_runs = self._round(pipe)
         pipe.handed = _put(sub_runs[0], self.main)
         self._round(pipe)
         jax.block_until_ready((pipe.cache, pipe.sub_caches))
-        self._warm.add((P, S))
+        self._warm.add((P, S, chunked))
         return time.perf_counter() - start
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
@@ -323,14 +355,17 @@ class PpdGenerator:
         sized = max(len(prompt_ids), self.min_prompt_len)
         cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
         S = cache_len(sized, max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
-        P = min(bucket(sized, MIN_PROMPT_BUCKET), S)
-        compile_s = self._warm_up(P, S)
-        tokens = np.zeros((1, P), np.int32)
-        tokens[0, : len(prompt_ids)] = prompt_ids
+        chunked = self.prefill_chunk < len(prompt_ids)
+        if chunked:  # the last chunk is written whole: room for it past the prompt
+            P = self.prefill_chunk
+            S = max(S, -(-len(prompt_ids) // P) * P)
+        else:
+            P = min(bucket(sized, MIN_PROMPT_BUCKET), S)
+        compile_s = self._warm_up(P, S, chunked)
         eos = set(self.cfg.eos_token_ids)
 
         start_time = time.perf_counter()
-        pipe = self._start(tokens, len(prompt_ids), S)
+        pipe = self._start(prompt_ids, P, S, chunked)
         out = [int(pipe.token[0])]
         prefill_s = time.perf_counter() - start_time
         if on_tokens:

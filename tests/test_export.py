@@ -116,7 +116,9 @@ def test_export_sdsat_one_forward_and_its_draft_step():
 def test_export_ppd_programs():
     gen = PpdGenerator(CFG, params(), k=2, layer=2, devices=jax.devices()[:3])
     exported = export.export_all(gen.lowerings(16, 64))
-    assert {"prefill", "sub_process_layers", "early_top", "commit_round"} <= set(exported)
+    want = {"prefill", "extend_prompt", "prefill_last_chunk", "sub_process_layers",
+            "early_top", "commit_round"}  # fmt: skip
+    assert want <= set(exported)
 
 
 def test_export_nucleus_takes_the_lowering_platforms_path():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxspec.config import preset
-from jaxspec.decode import SpeculativeGenerator, _prompt_chunks
+from jaxspec.decode import SpeculativeGenerator, prompt_chunks
 from jaxspec.drafters.chimera import ChimeraSettings
 from jaxspec.drafters.eagle import EagleSettings
 from jaxspec.drafters.firp import FirpSettings
@@ -68,7 +68,7 @@ def test_the_last_chunk_fits_in_the_cache():
 
 
 def test_chunks_cover_each_prompt_once():
-    chunks, (last, counts) = _prompt_chunks([list(range(1, 41)), [7, 8, 9]], 32)
+    chunks, (last, counts) = prompt_chunks([list(range(1, 41)), [7, 8, 9]], 32)
     # row 0: 32 tokens in one chunk, 8 in its last; row 1: all 3 in its last chunk
     assert [c.tolist() for _, c, _ in chunks] == [[32, 0]]
     assert [f.tolist() for _, _, f in chunks] == [[33, 7]]

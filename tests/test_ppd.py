@@ -48,6 +48,20 @@ def test_ppd_multiplies_as_ar_does(products):
     assert gen.generate(prompt, 30).token_ids == ar
 
 
+@pytest.mark.parametrize("products", ["exact", "plain-prefill"])
+def test_a_long_prompt_is_prefilled_in_ar_s_chunks(products):
+    """A prompt over the chunk size is prefilled chunk by chunk, as SpeculativeGenerator
+    does (the same bits under one-pass products): AR's tokens."""
+    cfg, params = deep_tiny()
+    params = compute_params(params, jnp.bfloat16)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, cfg.vocab_size, 37)]
+    ar = SpeculativeGenerator(cfg, params, products=products, prefill_chunk=16)
+    want = ar.generate(prompt, 20).token_ids
+    gen = PpdGenerator(cfg, params, 2, 3, products=products, prefill_chunk=16)
+    assert gen.generate(prompt, 20).token_ids == want
+    assert any(chunked and P == 16 for P, _, chunked in gen._warm)  # compiled in chunks
+
+
 def test_a_trained_head_changes_the_guesses_not_the_output():
     cfg, params = deep_tiny()
     D = cfg.dim
