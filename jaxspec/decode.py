@@ -73,6 +73,25 @@ def default_products() -> str:
     return DEFAULT_PRODUCTS.get(jax.default_backend(), "exact")
 
 
+def checked_products(products: str | None) -> str:
+    """One of PRODUCTS (None: this backend's default), or a clear error."""
+    products = products or default_products()
+    if products not in PRODUCTS:
+        raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
+    return products
+
+
+def prefill_shape(prompt_len: int, min_prompt_len: int, chunk: int, S: int):
+    """A prompt of prompt_len tokens (programs sized for at least min_prompt_len) and an
+    S-slot cache -> (whether it is prefilled in chunks, the prefill's width: the prompt
+    bucket or the chunk size, the cache length). Every generator prefills by it, so the
+    same prompt is padded and split alike (the same bits) whatever decodes it."""
+    if chunk < prompt_len:  # the last chunk is written whole, padding included:
+        return True, chunk, max(S, -(-prompt_len // chunk) * chunk)  # room past the prompt
+    width = max(prompt_len, min(min_prompt_len, chunk))
+    return False, min(bucket(width, MIN_PROMPT_BUCKET), S), S
+
+
 # On a mesh, each program's arguments and results by kind, which decides their shardings
 # (`SpeculativeGenerator._sharding`): "placed" (weights, as the generator placed them),
 # "host" (small per-row arrays the host writes or reads: replicated, so every process
@@ -300,9 +319,7 @@ class SpeculativeGenerator:
         params are placed on it by the parameter table, `mesh.table_specs`, unless they
         already are); None: the mesh the params are placed on (load_model(mesh=...)), if
         any, else one device."""
-        products = products or default_products()
-        if products not in PRODUCTS:
-            raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
+        products = checked_products(products)
         mesh = mesh_of(params) if mesh is None else as_mesh(mesh)
         if mesh is not None:
             check_divides(cfg, mesh)
@@ -418,11 +435,7 @@ class SpeculativeGenerator:
         prefill's width: the prompt bucket or the chunk size, the cache length). Programs
         are compiled once per distinct value (and batch size)."""
         S = self.cache_len(max(prompt_len, self.min_prompt_len), max_new_tokens)
-        if self.prefill_chunk < prompt_len:
-            C = self.prefill_chunk  # the last chunk is written whole, padding included:
-            return True, C, max(S, -(-prompt_len // C) * C)  # room for it past the prompt
-        width = max(prompt_len, min(self.min_prompt_len, self.prefill_chunk))
-        return False, min(bucket(width, MIN_PROMPT_BUCKET), S), S
+        return prefill_shape(prompt_len, self.min_prompt_len, self.prefill_chunk, S)
 
     def check_memory(self, batch: int, cache_len: int) -> None:
         """Refuse, before allocating, a step that would not fit in the memory available."""

@@ -33,10 +33,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import PREFILL_CHUNK, PRODUCTS, default_products, prompt_chunks
+from jaxspec.decode import PREFILL_CHUNK, checked_products, prefill_shape, prompt_chunks
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
+from jaxspec.generate import GenerationResult, cache_len
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache
 from jaxspec.layers import EXACT_ROUNDING, dense
 from jaxspec.llama import embed, lm_logits, plain_products, run_layers
@@ -221,9 +221,7 @@ class PpdGenerator:
                  max_len: int | None = None, devices=None, model_split: int = 1,
                  products: str | None = None, prefill_chunk: int | None = None):  # fmt: skip
         devices = list(devices or jax.devices())
-        products = products or default_products()
-        if products not in PRODUCTS:
-            raise JaxspecError(f"unknown products {products!r}; one of {', '.join(PRODUCTS)}")
+        products = checked_products(products)
         layer = layer if layer is not None else (cfg.n_layers + 1) // 2
         check_settings(cfg, k, layer)
         self.cfg, self.k, self.layer, self.head = cfg, k, layer, head
@@ -355,12 +353,7 @@ class PpdGenerator:
         sized = max(len(prompt_ids), self.min_prompt_len)
         cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
         S = cache_len(sized, max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
-        chunked = self.prefill_chunk < len(prompt_ids)
-        if chunked:  # the last chunk is written whole: room for it past the prompt
-            P = self.prefill_chunk
-            S = max(S, -(-len(prompt_ids) // P) * P)
-        else:
-            P = min(bucket(sized, MIN_PROMPT_BUCKET), S)
+        chunked, P, S = prefill_shape(len(prompt_ids), self.min_prompt_len, self.prefill_chunk, S)
         compile_s = self._warm_up(P, S, chunked)
         eos = set(self.cfg.eos_token_ids)
 
