@@ -18,6 +18,7 @@ from pathlib import Path
 
 from jaxspec.cli import ArgumentParser, positive_float, run_main
 from jaxspec.device_bench import PARTS, run_campaign
+from jaxspec.device_bench.compile_cache import default_dir
 from jaxspec.errors import JaxspecError
 from jaxspec.outputs import check_output_file
 
@@ -49,6 +50,13 @@ def parse_args(argv=None):
         help="Spec-Bench question file (missing: that set is skipped)",
     )
     p.add_argument("--model", type=Path, help="a model instead of the default one")
+    p.add_argument(
+        "--compile-cache",
+        type=Path,
+        help="folder keeping compiled programs for later groups and calls (default: "
+        "$JAXSPEC_HOME/xla-cache; a dry run keeps none unless given)",
+    )
+    p.add_argument("--no-compile-cache", action="store_true", help="compile every program")
     return p.parse_args(argv)
 
 
@@ -64,6 +72,7 @@ def _main(argv) -> None:
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         raise JaxspecError(f"--parts {args.parts}: choose among {', '.join(PARTS)}")
+    cache = args.compile_cache or (None if args.dry_run else default_dir())
     result = run_campaign(
         args.out,
         dry_run=args.dry_run,
@@ -72,6 +81,7 @@ def _main(argv) -> None:
         bandwidth_gbs=args.bandwidth_gbs,
         questions=args.questions,
         model=args.model,
+        compile_cache=None if args.no_compile_cache else cache,
         command="python -m infer.device_bench "
         + " ".join(argv if argv is not None else sys.argv[1:]),
     )

@@ -65,6 +65,7 @@ def run_benchmark(
     command: str = "",
     mesh: str | None = None,
     one_shape: bool = False,
+    min_prompt_len: int = 0,
     warm_up_workers: int = 1,
 ) -> dict:
     """Every row on the questions ('humaneval', 'sharegpt-test' or a Spec-Bench .jsonl) ->
@@ -75,8 +76,11 @@ def run_benchmark(
     "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M);
     one_shape (single_turn only): every row's programs sized for the longest prompt, so
     each row compiles once for the whole run (where compiles are slow, a GPU), shorter
-    prompts padded; warm_up_workers: rows compiled and warmed up at once (threads: XLA
-    compiles outside Python's lock, so a many-core host compiles rows side by side)."""
+    prompts padded; min_prompt_len (one_shape): size them for at least this many prompt
+    tokens (runs given the same size compile the same programs, which a persistent
+    compilation cache then shares between them); warm_up_workers: rows compiled and
+    warmed up at once (threads: XLA compiles outside Python's lock, so a many-core host
+    compiles rows side by side)."""
     methods = check_rows(rows)
     shape = parse_mesh(mesh) if mesh else None
     split = shape["model"] if shape else 1
@@ -103,10 +107,12 @@ def run_benchmark(
     runners = {
         m: Runner(m, model_for(m), sampling, seed, ppd_k, drafters, products) for m in methods
     }
+    if min_prompt_len and not one_shape:
+        raise JaxspecError("min_prompt_len sizes the programs of one_shape: set one_shape")
     if one_shape:
         if not single_turn:
             raise JaxspecError("one_shape sizes programs for the first turns: set single_turn")
-        longest = max(len(first_turn_ids(base.tokenizer, q)) for q in chosen)
+        longest = max(min_prompt_len, *(len(first_turn_ids(base.tokenizer, q)) for q in chosen))
         for runner in runners.values():
             runner.size_for(longest)
     records, turns = _play(

@@ -140,7 +140,8 @@ def test_bench_reports_acceptance_by_depth_for_every_row(tiny_ckpt, medusa_folde
 def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_path, monkeypatch):
     """one_shape pads every prompt to the longest one's shape: each row compiles one shape,
     same tokens and acceptance, with the rows compiled side by side in threads; it sizes
-    programs for first turns, so a multi-turn run is refused."""
+    programs for first turns, so a multi-turn run is refused; min_prompt_len sizes them
+    for longer prompts than the run's own."""
     questions = tmp_path / "q.jsonl"
     turns = ["w5 w6", " ".join(f"w{i}" for i in range(5, 45))]  # prompt buckets 16 and 64
     lines = [{"question_id": i, "category": "a", "turns": [t]} for i, t in enumerate(turns)]
@@ -169,3 +170,12 @@ def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_p
             assert one["methods"][m][key] == own["methods"][m][key], (m, key)
     with pytest.raises(JaxspecError, match="one_shape sizes programs for the first turns"):
         run_benchmark(["ar"], str(questions), model=tiny_ckpt[0], one_shape=True)
+    # min_prompt_len: sized for more than the run's own prompts (a shape shared with another run)
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps(lines[0]) + "\n")  # bucket 16 alone
+    shapes.clear()
+    run_benchmark(["ar"], str(short), one_shape=True, min_prompt_len=100, **kw)
+    [(width, _)] = next(iter(shapes.values()))
+    assert width[1] >= 100
+    with pytest.raises(JaxspecError, match="min_prompt_len sizes the programs of one_shape"):
+        run_benchmark(["ar"], str(short), min_prompt_len=100, **kw)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import pytest
@@ -15,8 +18,8 @@ import pytest
 from infer.device_bench import main
 from jaxspec.config import preset
 from jaxspec.data.sources import Question
-from jaxspec.device_bench import PARTS
-from jaxspec.device_bench.campaign import TimeCap, time_cap
+from jaxspec.device_bench import PARTS, end_to_end
+from jaxspec.device_bench.campaign import DTYPE, TimeCap, time_cap
 from jaxspec.device_bench.device import bandwidth
 from jaxspec.device_bench.end_to_end import (
     DYNAMIC,
@@ -50,6 +53,8 @@ def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
     assert {"driver", "driver_source", "bandwidth_gbs", "bandwidth_source"} <= set(device)
     assert device["bandwidth_gbs"] is None and "--bandwidth-gbs" in device["bandwidth_source"]
     assert list(result["parts"]) == list(PARTS)
+    assert result["compile_cache"]["dir"] is None  # a dry run keeps none unless asked
+    assert result["parts"]["default_model"]["prompt_room"] > 0  # every set's programs' size
     for name, part in result["parts"].items():
         assert part["status"] == "ok", (name, part.get("reason"), part.get("traceback"))
         assert [r for r in part["rows"] if "skipped" not in r], name
@@ -175,3 +180,41 @@ def test_bad_output_name_is_one_line(tmp_path, capsys):
     (tmp_path / "b.md").write_text("mine")
     err = one_line_error(main, ["--dry-run", "--out", str(tmp_path / "b.json")], capsys)
     assert "b.md exists; pass --overwrite" in err and (tmp_path / "b.md").read_text() == "mine"
+
+
+def test_a_second_call_loads_every_program_from_the_compile_cache(tmp_path):
+    """--compile-cache: programs compiled by one call are loaded, not compiled, by the next
+    (a warm device machine keeps the folder between calls); the record counts both."""
+    cache, root = tmp_path / "xla", Path(__file__).resolve().parents[1]
+    for i in range(2):
+        command = [sys.executable, "-m", "infer.device_bench", "--dry-run", "--parts", "ar",
+                   "--compile-cache", str(cache), "--out", str(tmp_path / f"{i}.json")]  # fmt: skip
+        subprocess.run(command, check=True, cwd=root, capture_output=True)
+    first, second = (json.loads((tmp_path / f"{i}.json").read_text()) for i in range(2))
+    assert first["compile_cache"]["requests"] > 0 and first["compile_cache"]["hits"] == 0
+    assert second["compile_cache"]["hits"] == second["compile_cache"]["requests"]
+    assert second["compile_cache"]["requests"] == first["compile_cache"]["requests"]
+    assert "compiles loaded from it" in (tmp_path / "1.md").read_text()
+
+
+def test_every_question_set_is_sized_for_the_longest_prompt_of_all(tmp_path, monkeypatch):
+    """The end-to-end part sizes every set's programs alike (the longest first turn of all
+    sets): a row compiled for Spec-Bench is the same program for HumanEval, not a new one."""
+    checkpoint = end_to_end.tiny_checkpoint(tmp_path / "tiny")
+    long = tmp_path / "long.jsonl"
+    words = " ".join(f"w{i}" for i in range(5, 65))
+    long.write_text(json.dumps({"question_id": 0, "category": "a", "turns": [words]}) + "\n")
+    short = end_to_end.made_up_questions(tmp_path / "short.jsonl", 1)
+    calls = []
+
+    def bench(rows, questions, **kw):
+        calls.append((questions, kw["min_prompt_len"], kw["one_shape"]))
+        return {"n_questions": 1, "methods": {}}
+
+    monkeypatch.setattr(end_to_end, "run_benchmark", bench)
+    sets = [(name, lambda q=q: (q, None, {}), ()) for name, q in (("short", short), ("long", long))]
+    record = {}
+    end_to_end.default_model_rows(lambda row: None, record, checkpoint, sets, {}, (), 8, DTYPE)
+    assert record["prompt_room"] >= 60
+    room = record["prompt_room"]
+    assert calls == [(str(short), room, True), (str(long), room, True)]

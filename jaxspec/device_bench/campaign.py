@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import LlamaConfig, preset
 from jaxspec.device_bench import end_to_end, numerics, shapes
+from jaxspec.device_bench.compile_cache import compile_cache as cached_compiles
 from jaxspec.device_bench.device import device_info, floor_ms, software_info
 from jaxspec.device_bench.end_to_end import Skip
 from jaxspec.device_bench.report import markdown
@@ -352,19 +353,24 @@ def run_campaign(
     questions: Path = Path("../shared/data/spec_bench_question.jsonl"),
     model: Path | None = None,
     command: str = "",
+    compile_cache: Path | None = None,
 ) -> dict:
-    """Run the campaign's parts, writing out (JSON) and out.md after every row -> the record."""
+    """Run the campaign's parts, writing out (JSON) and out.md after every row -> the record.
+    compile_cache: a folder keeping compiled programs (compile_cache.compile_cache: enter
+    before anything compiles), its use recorded under "compile_cache"."""
     provide_devices_for(["ppd"])  # PPD's k + 1 devices, if jax has not started yet
     budget = budget_s or (DRY_BUDGET_S if dry_run else DEFAULT_BUDGET_S)
-    campaign = Campaign(
-        out,
-        dry_run=dry_run,
-        budget_s=budget,
-        parts=parts,
-        bandwidth_gbs=bandwidth_gbs,
-        questions=questions,
-        model=model,
-        command=command,
-    )
-    campaign.save()
-    return campaign.run()
+    with cached_compiles(compile_cache) as stats:
+        campaign = Campaign(
+            out,
+            dry_run=dry_run,
+            budget_s=budget,
+            parts=parts,
+            bandwidth_gbs=bandwidth_gbs,
+            questions=questions,
+            model=model,
+            command=command,
+        )
+        campaign.result["compile_cache"] = stats
+        campaign.save()
+        return campaign.run()

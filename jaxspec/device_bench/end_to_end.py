@@ -14,10 +14,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxspec.bench import run_benchmark
+from jaxspec.bench import first_turn_ids, run_benchmark
 from jaxspec.checkpoint import save_checkpoint
 from jaxspec.config import preset
-from jaxspec.data.sources import spec_bench_questions
+from jaxspec.data.sources import load_questions, select_questions, spec_bench_questions
 from jaxspec.device_bench.shapes import Add
 from jaxspec.drafters.base import default_tree
 from jaxspec.drafters.registry import METHODS, method
@@ -139,14 +139,16 @@ def default_model_rows(
     the record), raising Skip when the set cannot run here, the GROUPS to run). Each set
     and group is one run_benchmark (first turns only) of AR and the group's rows
     interleaved question by question; its rows are added when it ends, so that a part cut
-    short by its time cap keeps the groups done."""
+    short by its time cap keeps the groups done. Every set's programs are sized for the
+    longest prompt of all sets: a row compiled for one set is the same program in the next
+    (loaded from the compile cache, not compiled again)."""
     model = open_model(model_src)
     path, cfg = model.path, model.cfg
-    del model  # run_benchmark loads its own copy
     groups = bench_rows(cfg, drafters, methods)
     record.update(
         model=cfg.name, model_path=str(path), dtype=dtype, max_new_tokens=max_new_tokens, sets={}
     )
+    prepared = []
     for name, prepare, run_groups in question_sets:
         try:
             questions, limit, fields = prepare()
@@ -155,6 +157,14 @@ def default_model_rows(
             add({"set": name, "row": "every row", "skipped": str(e)})
             continue
         record["sets"][name] = fields
+        prepared.append((name, questions, limit, fields, run_groups))
+    chosen = [select_questions(load_questions(str(qs)), limit, None)
+              for _, qs, limit, _, _ in prepared]  # fmt: skip
+    longest = max((len(first_turn_ids(model.tokenizer, q)) for qs in chosen for q in qs),
+                  default=0)  # fmt: skip
+    record["prompt_room"] = longest
+    del model  # run_benchmark loads its own copy
+    for name, questions, limit, fields, run_groups in prepared:
         for group in run_groups or ("ar alone",):
             planned = groups.get(group, [])
             runs = [r for r in planned if "skipped" not in r]
@@ -171,6 +181,7 @@ def default_model_rows(
                 products="plain" if group == PLAIN else None,
                 command=f"device-bench {name} {group}",
                 one_shape=True,
+                min_prompt_len=longest,
                 warm_up_workers=min(len(trees), os.cpu_count() or 1),
             )
             fields["n_questions"] = result["n_questions"]

@@ -95,6 +95,12 @@ def markdown(result: dict) -> str:
         f"- Command: `{result['command']}`; weights {result['dtype']}; "
         f"{result['elapsed_s']:.0f} s of a {result['budget_s']:.0f} s budget",
     ]
+    cache = result.get("compile_cache") or {}
+    if cache.get("dir"):
+        lines.append(
+            f"- Compiled programs cached in {cache['dir']}: {cache['hits']} of "
+            f"{cache['requests']} compiles loaded from it ({max(cache['saved_s'], 0):.0f} s saved)"
+        )
     for name, record in result["parts"].items():
         lines += ["", f"## {record['title']} ({name})", ""]
         status = f"- Status: {record['status']}"
