@@ -61,9 +61,12 @@ def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
     parts = result["parts"]
     numerics = {(r["what"], r["compile"], r["rows"]): r for r in parts["numerics"]["rows"]}
     compiles = ("xla defaults", "exact rounding")
+    timed = ("exact rounding, exact split", "exact rounding, one pass")
     assert set(numerics) == {
         (what, c, n) for what in ("products", "2-layer model") for c in compiles for n in (1, 3)
-    }
+    } | {("product time", c, n) for c in timed for n in (1, 3)}
+    times = [numerics[("product time", c, n)]["us_per_product"] for c in timed for n in (1, 3)]
+    assert all(t > 0 for t in times)
     for c in compiles:  # XLA:CPU's products: float32-accurate, a row's bits its own
         for n in (1, 3):
             products = numerics[("products", c, n)]

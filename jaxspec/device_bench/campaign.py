@@ -244,6 +244,7 @@ class Campaign:
         s = self.sizes
         record.update(model=config_summary(s.model), context=s.context)
         numerics.product_rows(add, s.model.dim, s.model.ffn_dim, s.numerics_rows)
+        numerics.product_times(add, s.model.dim, s.model.ffn_dim, s.numerics_rows, s.steps)
         numerics.model_rows(add, s.model, s.context, s.numerics_rows)
 
     def _ar(self, record: dict, add) -> None:

@@ -3,11 +3,14 @@ computes one new row, a verify step a tree's; greedy speculative decoding gives 
 tokens exactly when the rows they share come out the same bits. Measured for the weight
 products (`layers.dense`, bfloat16 weights) and for a 2-layer model's logits after a
 cache: row 0 computed among n rows against alone, each program compiled with XLA's
-defaults and with `layers.EXACT_ROUNDING`; and the products' error against float64."""
+defaults and with `layers.EXACT_ROUNDING`; and the products' error against float64.
+Also the time of a product at each row count, as decoding computes it: whether one row
+(an AR step: the split's three) costs more than a few (a small verify step)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,7 @@ import numpy as np
 from jaxspec.config import LlamaConfig
 from jaxspec.device_bench.shapes import Add, random_model
 from jaxspec.kv_cache import causal_mask, init_cache
-from jaxspec.layers import EXACT_ROUNDING, dense
+from jaxspec.layers import EXACT_ROUNDING, OutIn, PlainProducts, dense
 from jaxspec.llama import forward
 
 COMPILES = {"xla defaults": None, "exact rounding": EXACT_ROUNDING}
@@ -51,6 +54,29 @@ def product_rows(add: Add, dim: int, out: int, rows: tuple[int, ...]) -> None:
             got = np.asarray(run_compiled(dense, (x[:n], w), options), np.float64)
             error = float(np.max(np.abs(got - exact[:n])) / np.max(np.abs(exact[:n])))
             compare(add, "products", label, n, got[:1], alone, error)
+
+
+def product_times(add: Add, dim: int, out: int, rows: tuple[int, ...], repeats: int) -> None:
+    """Microseconds per product of x [n,dim] float32 and a bfloat16 weight stored [out,in]
+    (as decoding keeps it), compiled with exact rounding: the three-pass split and one
+    pass. `repeats` products of different x run in one program (a loop: no dispatch cost
+    in the time, no product merged with another)."""
+    rng = np.random.default_rng(2)
+    w = OutIn(jnp.asarray(rng.standard_normal((out, dim)) / np.sqrt(dim), jnp.bfloat16))
+
+    def products(xs, weight):  # xs [repeats,n,dim] -> [repeats,n,out]
+        return jax.lax.map(lambda x: dense(x, weight), xs)
+
+    for how, weight in (("exact split", w), ("one pass", PlainProducts(w))):
+        for n in rows:
+            xs = jnp.asarray(rng.standard_normal((repeats, n, dim)), jnp.float32)
+            compiled = jax.jit(products).lower(xs, weight).compile(EXACT_ROUNDING)
+            jax.block_until_ready(compiled(xs, weight))  # warm up
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(xs, weight))
+            seconds = (time.perf_counter() - start) / repeats
+            add({"what": "product time", "compile": f"exact rounding, {how}", "rows": n,
+                 "us_per_product": seconds * 1e6})  # fmt: skip
 
 
 def model_rows(add: Add, cfg: LlamaConfig, context: int, rows: tuple[int, ...]) -> None:

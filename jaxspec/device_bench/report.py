@@ -12,6 +12,7 @@ COLUMNS = {
         ("row0_same_bits", "row 0 same bits as alone", "{}"),
         ("row0_max_diff", "row 0 max difference", "{:.3g}"),
         ("error_vs_float64", "error vs float64", "{:.3g}"),
+        ("us_per_product", "µs per product", "{:.1f}"),
     ],
     "ar": [
         ("batch", "batch", "{}"),
