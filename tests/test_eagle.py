@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.drafters.eagle import EagleDrafter, EagleSettings, shifted, training_outputs
+from jaxspec.drafters.eagle import (
+    EagleDrafter,
+    EagleSettings,
+    fused_layers,
+    shifted,
+    training_outputs,
+)
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, run_layers
@@ -165,7 +171,8 @@ def test_eagle_settings_round_trip():
 
 @pytest.fixture(scope="module")
 def trained_eagle(tiny_ckpt, tmp_path_factory):
-    """Train 4 steps, 'interrupt', resume to 6: (drafter dir, reports, checkpoint)."""
+    """Train 4 steps (the answers made 3 prompts at a time), 'interrupt', resume to 6 with
+    the states computed live (as on a GPU): (drafter dir, reports, checkpoint, work)."""
     import train.eagle as eagle
     from tests.conftest import tiny_training_args, train_on_made_up_conversations
 
@@ -173,16 +180,21 @@ def trained_eagle(tiny_ckpt, tmp_path_factory):
     common = [*tiny_training_args(tiny_ckpt[0], tmp, save_every=2), "--rows", "6", "--ttt", "3",
               "--depth", "3", "--guess-vocab", "40", "--overwrite"]  # fmt: skip
     first, second = train_on_made_up_conversations(
-        eagle, [*common, "--steps", "4"], [*common, "--steps", "6"]
+        eagle,
+        [*common, "--steps", "4", "--answer-batch", "3"],
+        [*common, "--steps", "6", "--states", "live"],
     )
-    return tmp / "out", first, second, tiny_ckpt[0]
+    return tmp / "out", first, second, tiny_ckpt[0], tmp / "work"
 
 
 def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
     from jaxspec.drafters.store import load_drafter
 
-    out, first, second, ckpt = trained_eagle
+    out, first, second, ckpt, work = trained_eagle
     assert first["steps"] == 4 and second["steps"] == 6
+    runs = [p for p in work.rglob("*") if p.parent.name == "checkpoints" and p.is_dir()]
+    assert len(runs) == 1  # the live run resumed the cached one's checkpoints
+    assert not list(work.rglob("states-*-self-train-*.npz"))[1:]  # live: no second cache
     assert first["final_loss_per_step"] != second["final_loss_per_step"]  # it trained on
     assert min(second["accepted_per_step"].values()) >= 1.0
     acc = np.array(second["test_topk_accuracy"])
@@ -197,3 +209,26 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
             PROMPTS, max_new_tokens=16
         )
         assert [r.token_ids for r in got] == [r.token_ids for r in ar], tree
+
+
+def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
+    """--states live feeds a training step what --states cached reads from disk: the
+    fused and last layers' states of the batch's sequences."""
+    from tests.test_medusa import conversations
+    from train import features
+    from train.eagle import cached_fused_and_last, fused_and_last
+
+    monkeypatch.setattr(features, "sharegpt_split", lambda split: conversations(seed=1))
+    model = jaxspec.load_model(tiny_ckpt[0], dtype="float32")
+    layers = fused_layers(model.cfg)
+    stored = features.stored_layers(model.cfg, layers)
+    data = features.layer_features(model, tmp_path, "train", 6, 40, 24, layers, answer_batch=4)
+    seqs = np.array([4, 1])
+    states, _ = features.layer_states(
+        model.params, jnp.asarray(data["tokens"][seqs]), cfg=model.cfg, layers=stored
+    )
+    live = fused_and_last(states, stored, layers)
+    cached = cached_fused_and_last(data, seqs, layers)
+    for a, b in zip(live, cached, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)

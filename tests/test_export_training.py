@@ -154,22 +154,25 @@ def chimera(tmp, monkeypatch, argv=()) -> dict:
     return programs
 
 
-def eagle(tmp, monkeypatch) -> dict:
+def eagle(tmp, monkeypatch, states="cached") -> dict:
+    """states "live": the training answers' states made at every step (layer_states)."""
     programs = {}
+    record(monkeypatch, programs, train.eagle, "layer_states", stop=False)
     record(monkeypatch, programs, train.eagle, "train_step")
     record(monkeypatch, programs, train.eagle, "topk_hits")
 
-    def layer_features(model, root, split, n, prompt_len, new_tokens, layers):
+    def layer_features(model, root, split, n, prompt_len, new_tokens, layers, **kw):
         stored = sorted(set(layers) | {CFG.n_layers})
         rng = np.random.default_rng(len(split))
         states = rng.standard_normal((4, S, len(stored), CFG.dim)).astype(np.float16)
         return {**made_up_features(), "states": states, "layers": np.asarray(stored)}
 
     monkeypatch.setattr(train.eagle, "layer_features", layer_features)
-    trainer, manager, state = started(
-        train.eagle, train.eagle.Eagle, ["--ttt", "2", "--rows", "4", "--guess-vocab", "32"], tmp
-    )
+    monkeypatch.setattr(train.eagle, "self_answers", lambda *args: made_up_answers())
+    argv = ["--ttt", "2", "--rows", "4", "--guess-vocab", "32", "--states", states]
+    trainer, manager, state = started(train.eagle, train.eagle.Eagle, argv, tmp)
     step(trainer, state)
+    assert ("layer_states" in programs) == (states == "live")
     with pytest.raises(Stop):
         scored = {**state["params"], "vocab": trainer.vocab}
         train.eagle.evaluate(trainer.drafter, model().params, scored, trainer.test_f, 2)
@@ -236,6 +239,7 @@ TRAINERS = {
     ),
     "sdsat": (sdsat, {"train_step", "span_hits"}),
     "eagle": (eagle, {"train_step", "topk_hits"}),
+    "eagle-live": (partial(eagle, states="live"), {"layer_states", "train_step"}),
     "sdsat-full": (sdsat_full, {"full_step"}),
     "sdsat-full-basic": (partial(sdsat_full, loss="basic"), {"full_step"}),
     "ppd": (ppd, {"layer_states", "train_step", "match_hits"}),
@@ -267,7 +271,7 @@ def test_export_training_feature_programs():
     real_pass = jax.jit(partial(real_context, cfg=CFG, layers=(2, 4)))
     exported_everywhere({
         "features": (train.features._features, (model().params, tokens), {"cfg": CFG}),
-        "layer_states": (train.features._layer_states, (model().params, tokens),
+        "layer_states": (train.features.layer_states, (model().params, tokens),
                          {"cfg": CFG, "layers": (1, 2, 4)}),
         "firp_real_pass": (real_pass, (model().params,), {"tokens": tokens}),
     })  # fmt: skip

@@ -8,9 +8,10 @@ import pytest
 
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.models import load_model
+from jaxspec.text import encode_conversation
 from tests.test_medusa import conversations
 from train.features import answer_features, extract_sequences, layer_features
-from train.selfdata import generate_answers
+from train.selfdata import every_turn_prompts, first_turn_prompts, generate_answers
 
 SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
 
@@ -125,7 +126,7 @@ def test_layer_states_reuse_rows_of_a_smaller_count(model, tmp_path, monkeypatch
     layer_features(model, grown, "train", 4, p, n, (1,), batch=2)
     expected = layer_features(model, fresh, "train", 6, p, n, (1,), batch=2)
 
-    rows_computed = batches_computed(monkeypatch, features, "_layer_states")
+    rows_computed = batches_computed(monkeypatch, features, "layer_states")
     reused = layer_features(model, grown, "train", 6, p, n, (1,), batch=2)
     assert rows_computed == [2]  # the two prompts the 4-prompt cache lacks
     np.testing.assert_array_equal(reused["layers"], expected["layers"])
@@ -152,3 +153,35 @@ def test_features_copy_the_last_layer_of_layer_states(model, tmp_path, monkeypat
     np.testing.assert_allclose(
         copied["hidden"].astype(np.float32), expected["hidden"].astype(np.float32), atol=1e-2
     )
+
+
+def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generated, monkeypatch):
+    """turns "every": each user turn with the turns before it (a conversation's first turn
+    gives first_turn_prompts' ids), stopping at the first one over prompt_len; answers to
+    prompts a first-turn cache holds are reused, not generated again."""
+    import train.features as features
+
+    tok = model.tokenizer
+    chat = [{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7 w8"},
+            {"from": "human", "value": " w9 "}, {"from": "gpt", "value": "w10"},
+            {"from": "human", "value": " ".join(["w11"] * 40)}, {"from": "gpt", "value": "w12"},
+            {"from": "human", "value": "w13"}]  # fmt: skip
+    talks = [{"id": "a", "conversations": chat},
+             {"id": "b", "conversations": [{"from": "gpt", "value": "w20"}]},
+             {"id": "c", "conversations": [{"from": "human", "value": "w21"}]}]  # fmt: skip
+    got = every_turn_prompts(tok, talks, 10, 40)
+    messages = [{"role": r, "content": c} for r, c in
+                (("user", "w5 w6"), ("assistant", "w7 w8"), ("user", "w9"))]  # fmt: skip
+    first = first_turn_prompts(tok, talks, 10, 40)
+    assert got == [first[0], encode_conversation(tok, messages), first[1]]
+    assert every_turn_prompts(tok, talks, 2, 40) == got[:2]
+    assert len(every_turn_prompts(tok, talks, 10, 1000)) == 5  # the long turn and the next
+
+    monkeypatch.setattr(features, "sharegpt_split", lambda split: talks)
+    kw = {"prompt_len": 40, "new_tokens": 6}
+    features.self_answers(model, tmp_path, "train", 2, **kw)  # first turns: a and c
+    generated.clear()
+    data = features.self_answers(model, tmp_path, "train", 3, **kw, turns="every")
+    assert generated == [[got[1]]]  # only the new prompt was answered
+    assert (tmp_path / "self-every-train-3-p40-n6.npz").is_file()
+    assert sorted(data["starts"].tolist()) == sorted(len(p) for p in got)

@@ -14,6 +14,7 @@ from jaxspec.cli import ArgumentParser, mesh_flag, nonnegative_float, positive_i
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 
 from .checkpoints import run_name
+from .selfdata import ANSWER_BATCH
 
 
 def int_list(text: str) -> str:
@@ -77,6 +78,12 @@ def trainer_parser(
     p.add_argument("--test-seqs", type=positive_int, default=40)
     p.add_argument("--prompt-len", type=positive_int, default=128, help="longest prompt")
     p.add_argument("--new-tokens", type=positive_int, default=192, help="answer length")
+    p.add_argument(
+        "--answer-batch",
+        type=positive_int,
+        default=ANSWER_BATCH,
+        help="prompts answered at once when the answers are made (a GPU: 256)",
+    )
     p.add_argument("--steps", type=positive_int, default=steps, help=steps_help)
     p.add_argument("--batch", type=positive_int, default=batch, help=batch_help)
     p.add_argument(

@@ -23,15 +23,17 @@ LATER_FLAGS = {
     "own_lm_head": False,
     "training": "chained",
     "loss": "improved",
+    "turns": "first",
 }
 
 
 def run_name(args) -> str:
     """Checkpoints live per training setting: a rerun with the same flags resumes, a run
     with different ones starts fresh (more --steps continue the same run)."""
-    # Flags that do not change the weights (a mesh: within float tolerance).
+    # Flags that do not change the weights (a mesh, states computed live: within float
+    # tolerance; the answer batch: AR's tokens do not depend on the rows beside them).
     after_training = ("save_every", "out", "overwrite", "steps", "draft_vocab", "cache_prefill",
-                      "mesh")  # fmt: skip
+                      "mesh", "states", "answer_batch")  # fmt: skip
     flags = {
         k: v
         for k, v in vars(args).items()

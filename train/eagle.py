@@ -3,7 +3,9 @@ states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training
 
 1. Data: the base model's own greedy answers to ShareGPT train-split prompts (shared with
    the other trainers) and its states after the fused layers and the last one at every
-   position (cached beside them).
+   position: cached beside them (--states cached, 1.5 MB a sequence at 135M), or computed
+   from each batch's tokens at every step (--states live: on a GPU, for more answers
+   than a disk holds the states of).
 2. Each step takes --batch whole sequences; --ttt steps of the layer run over them, step k
    feeding each position step k-1's output as its feature (`training_outputs`: the masks
    drafting uses at depth k-1). At --rows answer positions per sequence every step's guess
@@ -41,9 +43,12 @@ from . import skeleton
 from .args import parse, trainer_parser
 from .checkpoints import command_flags, started_from
 from .chimera import frequent_tokens, row_range, sample_rows, vocab_coverage
-from .features import layer_features
+from .features import layer_features, layer_states, self_answers, stored_layers
 from .optim import apply_grads
+from .selfdata import PROMPTS
 from .skeleton import Result, Trainer
+
+STATES = ("cached", "live")  # where the training answers' states come from
 
 
 def parse_args(argv):
@@ -57,6 +62,20 @@ def parse_args(argv):
         "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
     )
     p.add_argument(
+        "--turns",
+        choices=tuple(PROMPTS),
+        default="first",
+        help="training prompts: first user turns, or every user turn with the conversation "
+        "before it (more prompts; raise --prompt-len, e.g. 1024); the test split's stay first",
+    )
+    p.add_argument(
+        "--states",
+        choices=STATES,
+        default="cached",
+        help="the model's states of the training answers: computed once and kept on disk "
+        "(cached), or from each batch's tokens at every step (live: a GPU, many answers)",
+    )
+    p.add_argument(
         "--guess-vocab",
         type=nonnegative_int,
         default=8192,
@@ -66,11 +85,17 @@ def parse_args(argv):
     return parse(p, argv)
 
 
-def fused_and_last(features: dict, seqs, layers: tuple[int, ...]):
-    """-> the fused layers' states [B,T,3,D] and the last layer's [B,T,D], float32."""
-    stored = features["layers"].tolist()
-    states = jnp.asarray(features["states"][seqs], jnp.float32)
+def fused_and_last(states, stored: tuple[int, ...], layers: tuple[int, ...]):
+    """states [B,T,L,D] after the `stored` layers (the last one last) -> the fused layers'
+    states [B,T,3,D] and the last layer's [B,T,D], float32."""
+    states = jnp.asarray(states, jnp.float32)
     return states[:, :, [stored.index(n) for n in layers]], states[:, :, -1]
+
+
+def cached_fused_and_last(features: dict, seqs, layers: tuple[int, ...]):
+    """fused_and_last of sequences `seqs` of a layer_features cache."""
+    stored = tuple(features["layers"].tolist())
+    return fused_and_last(features["states"][seqs], stored, layers)
 
 
 def step_logits(drafter, base, params, tokens, fused3, rows, steps):
@@ -123,7 +148,7 @@ def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
         low, high = row_range(features, n, steps)
         rows = np.minimum(np.arange(low, low + width), high - 1)[None]
         valid = jnp.asarray(np.arange(low, low + width) < high)[None]
-        fused3, _ = fused_and_last(features, np.array([n]), drafter.layers)
+        fused3, _ = cached_fused_and_last(features, np.array([n]), drafter.layers)
         labels = jnp.asarray(np.take_along_axis(features["predicted"][[n]], rows, 1))
         hits += np.asarray(topk_hits(
             base, params, jnp.asarray(features["tokens"][[n]]), fused3, jnp.asarray(rows),
@@ -145,11 +170,20 @@ class Eagle(Trainer):
         args, cfg = self.args, self.cfg
         self.drafter = EagleDrafter(cfg, fused_layers(cfg), args.depth)
 
-        def load(split: str, n: int) -> dict:
+        def load(split: str, n: int, turns: str = "first") -> dict:
             return layer_features(self.model, self.shared, split, n, args.prompt_len,
-                                  args.new_tokens, self.drafter.layers)  # fmt: skip
+                                  args.new_tokens, self.drafter.layers,
+                                  answer_batch=args.answer_batch, turns=turns)  # fmt: skip
 
-        self.train_f, self.test_f = load("train", args.train_seqs), load("test", args.test_seqs)
+        self.stored = stored_layers(cfg, self.drafter.layers)
+        if args.states == "live":  # answers only; their states are made batch by batch
+            self.train_f = self_answers(
+                self.model, self.shared, "train", args.train_seqs, args.prompt_len,
+                args.new_tokens, args.answer_batch, args.turns,
+            )  # fmt: skip
+        else:
+            self.train_f = load("train", args.train_seqs, args.turns)
+        self.test_f = load("test", args.test_seqs)
         self.vocab_ids = None
         if args.guess_vocab:
             ids = frequent_tokens(self.train_f, args.guess_vocab, tuple(cfg.eos_token_ids))
@@ -166,11 +200,15 @@ class Eagle(Trainer):
         rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
         seqs = rng.integers(0, len(self.train_f["tokens"]), args.batch)
         rows = sample_rows(self.train_f, seqs, args.rows, args.ttt, rng)
-        fused3, last = fused_and_last(self.train_f, seqs, self.drafter.layers)
+        tokens = jnp.asarray(self.train_f["tokens"][seqs])
+        if args.states == "live":
+            states, _ = layer_states(self.model.params, tokens, cfg=self.cfg, layers=self.stored)
+            fused3, last = fused_and_last(states, self.stored, self.drafter.layers)
+        else:
+            fused3, last = cached_fused_and_last(self.train_f, seqs, self.drafter.layers)
         return train_step(
-            state, self.model.params, jnp.asarray(self.train_f["tokens"][seqs]), fused3, last,
-            jnp.asarray(rows), self.weights, self.vocab, drafter=self.drafter,
-            optimizer=self.optimizer, steps=args.ttt,
+            state, self.model.params, tokens, fused3, last, jnp.asarray(rows), self.weights,
+            self.vocab, drafter=self.drafter, optimizer=self.optimizer, steps=args.ttt,
         )  # fmt: skip
 
     def shown(self, aux):
@@ -212,6 +250,12 @@ def card(args, cfg, drafter, report) -> str:
         f"| {k + 1} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
         for k, acc in enumerate(report["test_topk_accuracy"])
     )
+    prompts = (
+        f"the first user turns of {args.train_seqs} ShareGPT train-split conversations"
+        if args.turns == "first"
+        else f"{args.train_seqs} user turns of ShareGPT train-split conversations, each with "
+        "the conversation before it"
+    )
     vocab = (
         f"the {args.guess_vocab} most frequent answer tokens, covering "
         f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
@@ -225,9 +269,8 @@ def card(args, cfg, drafter, report) -> str:
   token fuses the model's states after layers {", ".join(map(str, drafter.layers))} (Linear(3D->D)),
   a drafted token's is the layer's own output at its parent. Own final norm, the model's
   frozen lm_head over the draft vocabulary. Weights stored in float16.
-- Data: the base model's own greedy answers to the first user turns of {args.train_seqs}
-  ShareGPT train-split conversations (prompts <= {args.prompt_len} tokens, answers
-  <= {args.new_tokens}).
+- Data: the base model's own greedy answers to {prompts} (prompts <= {args.prompt_len}
+  tokens, answers <= {args.new_tokens}).
 - Training: {report["steps"]} steps of {args.batch} sequences, training-time test over
   {args.ttt} steps, {args.rows} scored positions per sequence, cross-entropy to the model's
   next-token distribution over the draft vocabulary, step weights {args.decay}**(k-1), AdamW

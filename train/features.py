@@ -13,14 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxspec.data.sources import sharegpt_split, split_tag
+from jaxspec.data.sources import ROLES, sharegpt_split, split_tag
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.outputs import load_npz, save_npz
 
-from .selfdata import generate_answers
-
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
+from .selfdata import ANSWER_BATCH, PROMPTS, generate_answers
 
 
 def conversation_ids(tokenizer, conversation: dict, max_len: int) -> list[int] | None:
@@ -123,22 +121,32 @@ def _siblings(root: Path, prefix: str, split: str, prompt_len: int, new_tokens: 
     return sorted(root.glob(f"{prefix}-{split_tag(split)}-*-p{prompt_len}-n{new_tokens}.npz"))
 
 
-def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
-    """The base model's own greedy answers to n `split` prompts (train/selfdata.py), cached
-    in `root` (the model's training folder, shared by every drafter's trainer)."""
-    path = root / f"self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+def answers_name(turns: str) -> str:
+    """The cache files' name for answers to `turns` prompts (selfdata.PROMPTS)."""
+    return "self" if turns == "first" else f"self-{turns}"
+
+
+def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
+                 batch: int = ANSWER_BATCH, turns: str = "first") -> dict:  # fmt: skip
+    """The base model's own greedy answers to n `split` prompts (train/selfdata.py; turns:
+    which user turns are prompts), `batch` prompts at a time, cached in `root` (the model's
+    training folder, shared by every drafter's trainer). Answers to the same prompts in
+    caches of either kind with the same lengths are reused."""
+    name = answers_name(turns)
+    path = root / f"{name}-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     if path.is_file():  # ShareGPT is not read
         return load_npz(path)
-    reuse = _siblings(root, "self", split, prompt_len, new_tokens)
-    return generate_answers(
-        model, sharegpt_split(split), n, path, prompt_len, new_tokens, reuse=reuse
-    )
+    kinds = [answers_name(kind) for kind in PROMPTS]
+    reuse = [p for kind in kinds for p in _siblings(root, kind, split, prompt_len, new_tokens)]
+    return generate_answers(model, sharegpt_split(split), n, path, prompt_len, new_tokens,
+                            batch, reuse=reuse, turns=turns)  # fmt: skip
 
 
-def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int):
+def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
+                    answer_batch: int = ANSWER_BATCH) -> dict:  # fmt: skip
     """Features of self_answers(...), cached beside them; rows that a features or
     layer_features cache of the same split and lengths holds are copied from it."""
-    answers = self_answers(model, root, split, n, prompt_len, new_tokens)
+    answers = self_answers(model, root, split, n, prompt_len, new_tokens, answer_batch)
     name = f"features-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     reuse = [*_siblings(root, "features-self", split, prompt_len, new_tokens),
              *_siblings(root, "states-*-self", split, prompt_len, new_tokens)]  # fmt: skip
@@ -146,7 +154,9 @@ def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_
 
 
 @partial(jax.jit, static_argnames=("cfg", "layers"))
-def _layer_states(params, tokens, *, cfg, layers):
+def layer_states(params, tokens, *, cfg, layers):
+    """tokens [B,T] -> the states after each of `layers` (layer counts, the last included)
+    [B,T,L,D] float16 and the model's greedy next token [B,T]: what layer_features caches."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     _, _, states = run_layers(
@@ -156,25 +166,31 @@ def _layer_states(params, tokens, *, cfg, layers):
     return jnp.stack([states[n] for n in layers], axis=2).astype(jnp.float16), predicted
 
 
+def stored_layers(cfg, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers whose states layer_features keeps: `layers` and the last one, in order."""
+    return tuple(sorted(set(layers) | {cfg.n_layers}))
+
+
 def layer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
-                   layers: tuple[int, ...], batch: int = 4) -> dict:  # fmt: skip
+                   layers: tuple[int, ...], batch: int = 4, answer_batch: int = ANSWER_BATCH,
+                   turns: str = "first") -> dict:  # fmt: skip
     """self_answers(...) + "states" [N,T,L,D] float16: the states after each of `layers`
     (layer counts, the last layer added: "layers" [L] names them) at every position, and
     "predicted" [N,T] the model's greedy next token; cached beside the answers. Rows that
     a cache of the same layers for another prompt count holds are copied from it."""
-    answers = self_answers(model, root, split, n, prompt_len, new_tokens)
-    tag = "-".join(map(str, layers))
-    out = root / f"states-{tag}-self-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    answers = self_answers(model, root, split, n, prompt_len, new_tokens, answer_batch, turns)
+    prefix = f"states-{'-'.join(map(str, layers))}-{answers_name(turns)}"
+    out = root / f"{prefix}-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     if out.is_file():
         return load_npz(out)
-    reuse = _siblings(root, f"states-{tag}-self", split, prompt_len, new_tokens)
-    layers = tuple(sorted(set(layers) | {model.cfg.n_layers}))
+    reuse = _siblings(root, prefix, split, prompt_len, new_tokens)
+    layers = stored_layers(model.cfg, layers)
     tokens = answers["tokens"]
     states = np.zeros((*tokens.shape, len(layers), model.cfg.dim), np.float16)
     predicted = np.zeros_like(tokens)
     arrays = {"states": states, "predicted": predicted}
     rows = _copy_known_rows(tokens, reuse, arrays)
-    compute = partial(_layer_states, model.params, cfg=model.cfg, layers=layers)
+    compute = partial(layer_states, model.params, cfg=model.cfg, layers=layers)
     _compute_rows(compute, tokens, rows, arrays, batch, f"states {out.stem}")
     data = {**answers, "states": states, "layers": np.asarray(layers, np.int32),
             "predicted": predicted}  # fmt: skip

@@ -47,6 +47,7 @@ from . import skeleton
 from .args import int_list, parse, trainer_parser
 from .checkpoints import command_flags, load_json, resume, save
 from .features import self_answers
+from .selfdata import ANSWER_BATCH
 from .skeleton import Result, Trainer
 
 
@@ -252,12 +253,13 @@ def evaluate(model, maps, layers, cache: RealPassCache, variant="firp"):
 
 
 def real_pass(
-    model, shared: Path, work: Path, split: str, n: int, prompt_len: int, new_tokens: int, layers
-):
+    model, shared: Path, work: Path, split: str, n: int, prompt_len: int, new_tokens: int, layers,
+    answer_batch: int = ANSWER_BATCH,
+):  # fmt: skip
     """The RealPassCache of the model's answers to n `split` prompts, in the FIRP work
     folder `work` (the answers themselves are cached in `shared`, the folder every trainer
     reads them from)."""
-    answers = self_answers(model, shared, split, n, prompt_len, new_tokens)
+    answers = self_answers(model, shared, split, n, prompt_len, new_tokens, answer_batch)
     name = f"{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}-t{'-'.join(map(str, layers))}"
     return RealPassCache(model, answers, layers, work / f"pass-{name}")
 
@@ -283,7 +285,7 @@ class Firp(Trainer):
         """The data's real pass (cached) and the answers' anchor ranges."""
         self.train_pass, self.test_pass = (
             real_pass(self.model, self.shared, self.work, split, n, self.args.prompt_len,
-                      self.args.new_tokens, self.pass_layers)
+                      self.args.new_tokens, self.pass_layers, self.args.answer_batch)
             for split, n in (("train", self.args.train_seqs), ("test", self.args.test_seqs))
         )  # fmt: skip
         self.low, self.high = valid_anchor_range(self.train_pass.data, self.drafter.n_steps)

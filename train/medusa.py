@@ -141,7 +141,8 @@ class Medusa(Trainer):
         if args.data == "sharegpt":
             file = self.work / f"{split_tag(split)}-{n}x{args.seq_len}.npz"
             return extract(self.model, sharegpt_split(split), n, args.seq_len, file)
-        return answer_features(self.model, self.shared, split, n, args.prompt_len, args.new_tokens)
+        return answer_features(self.model, self.shared, split, n, args.prompt_len, args.new_tokens,
+                               args.answer_batch)  # fmt: skip
 
     def fresh(self):
         return self.drafter.init(self.model.params)

@@ -2,8 +2,12 @@
 
 Drafters guess what the model will write, and a small model writes very differently from
 the ChatGPT answers in ShareGPT, so drafters train best on the model's own text (Medusa-2's
-self-distillation). Each record is [chat-templated first user turn ; greedy answer]; `starts`
-marks where the answer begins. Batched generation; progress is saved after every batch and
+self-distillation). Each record is [chat-templated prompt ; greedy answer]; `starts` marks
+where the answer begins. A prompt is a conversation's first user turn, or (turns "every")
+each of its user turns with the conversation before it, ChatGPT's answers as written: the
+ShareGPT package's train split holds ~7.5k first turns of <= 128 tokens; counting every
+turn, ~15k prompts of <= 512 tokens and ~23k of <= 1024 (from a sample of 3000
+conversations). Batched generation; progress is saved after every batch and
 an interrupted run resumes; answers already cached for other prompt counts are reused.
 Every file is written whole or not at all; a damaged one is an error naming it.
 """
@@ -16,10 +20,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxspec.data.sources import first_user_turn
+from jaxspec.data.sources import ROLES, first_user_turn
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.outputs import load_npz, save_npz
-from jaxspec.text import encode_prompt
+from jaxspec.text import encode_conversation, encode_prompt
+
+ANSWER_BATCH = 32  # prompts answered at once
 
 
 def first_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
@@ -35,6 +41,31 @@ def first_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
         if len(prompts) == n:
             break
     return prompts
+
+
+def every_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
+    """Token ids of the first n usable user turns, each with the conversation before it, of
+    at most max_len tokens (a conversation's first turn: first_turn_prompts' ids)."""
+    prompts = []
+    for conversation in conversations:
+        messages = []
+        for turn in conversation.get("conversations") or []:
+            role, text = ROLES.get(turn.get("from")), turn.get("value", "").strip()
+            if role is None or (not messages and role != "user"):
+                break
+            messages.append({"role": role, "content": text})
+            if role != "user" or not text:
+                continue
+            ids = encode_conversation(tokenizer, messages)
+            if len(ids) > max_len:
+                break  # the turns after it are longer still
+            prompts.append(ids)
+            if len(prompts) == n:
+                return prompts
+    return prompts
+
+
+PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts}
 
 
 def _pack(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> dict:
@@ -62,17 +93,19 @@ def generate_answers(
     out: Path,
     prompt_len: int = 128,
     new_tokens: int = 192,
-    batch: int = 32,
+    batch: int = ANSWER_BATCH,
     reuse: Iterable[Path] = (),
+    turns: str = "first",
 ) -> dict:
-    """{"tokens" [N,prompt_len+new_tokens], "lengths" [N], "starts" [N]}, cached in `out`.
-    Answers found in `reuse` (caches made with the same prompt_len and new_tokens) or in an
-    interrupted run's partial file are taken from there, not generated again."""
+    """{"tokens" [N,prompt_len+new_tokens], "lengths" [N], "starts" [N]}, cached in `out`;
+    turns: a key of PROMPTS. Answers found in `reuse` (caches made with the same
+    new_tokens) or in an interrupted run's partial file are taken from there, not
+    generated again."""
     out = Path(out)
     if out.is_file():
         return load_npz(out)
     partial = out.with_suffix(".partial.npz")
-    prompts = first_turn_prompts(model.tokenizer, conversations, n, prompt_len)
+    prompts = PROMPTS[turns](model.tokenizer, conversations, n, prompt_len)
     prompts.sort(key=len)  # similar lengths batch together: less padding, few shapes
     unique = list(dict.fromkeys(map(tuple, prompts)))  # ShareGPT repeats prompts
     known: dict[tuple[int, ...], list[int]] = {}

@@ -115,7 +115,8 @@ class Trainer:
         load, args = answer_features if features else self_answers, self.args
 
         def split(name: str, n: int) -> dict:
-            return load(self.model, self.shared, name, n, args.prompt_len, args.new_tokens)
+            return load(self.model, self.shared, name, n, args.prompt_len, args.new_tokens,
+                        args.answer_batch)  # fmt: skip
 
         return split("train", args.train_seqs), split("test", args.test_seqs)
 

@@ -78,6 +78,10 @@ def sharegpt_conversations() -> tuple[dict, ...]:
     return tuple(r for r in records if r.get("conversations"))
 
 
+# ShareGPT's speaker names -> chat roles
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
+
+
 def first_user_turn(conversation: dict) -> str | None:
     turns = conversation.get("conversations") or []
     if not turns or turns[0].get("from") not in ("human", "user"):
