@@ -251,10 +251,10 @@ def card(args, cfg, drafter, report) -> str:
         for k, acc in enumerate(report["test_topk_accuracy"])
     )
     prompts = (
-        f"the first user turns of {args.train_seqs} ShareGPT train-split conversations"
+        f"the first user turns of {args.train_seqs}\n  ShareGPT train-split conversations"
         if args.turns == "first"
-        else f"{args.train_seqs} user turns of ShareGPT train-split conversations, each with "
-        "the conversation before it"
+        else f"{args.train_seqs} user turns of ShareGPT train-split conversations,\n  each "
+        "with the conversation before it"
     )
     vocab = (
         f"the {args.guess_vocab} most frequent answer tokens, covering "
