@@ -172,10 +172,11 @@ def run_layers(
             values_in = tuple(zip(values_in, context_block.values, strict=True))
     if cfg.sliding_window:  # keys: the cache's slots (slot s holds position s), then the new
         B, T = positions.shape
-        S = cache.max_len if cache is not None else 0
+        # The widths from the mask: a context's keys may be None below the first layer run
+        after = 0 if context_block is None else context_block.keys[start].shape[2]
+        S = mask.shape[-1] - T - after
         slots = [jnp.broadcast_to(jnp.arange(S), (B, S))]
         if context_block is not None:  # right after each row's committed tokens
-            after = context_block.keys[0].shape[2]
             slots.append(cache.lengths[:, None] + jnp.arange(after))
         key_positions = jnp.concatenate([*slots, positions], axis=1)  # [B,S+T'+T]
         mask = jnp.logical_and(mask, within_window(positions, key_positions, cfg.sliding_window))

@@ -66,8 +66,10 @@ def test_joint_mask_and_positions_literal():
     np.testing.assert_array_equal(pseudo_positions(positions, anchors, 2), [[8, 9, 9, 9, 10, 10]])
 
 
-def test_pseudo_chains_leave_the_real_tokens_alone_and_match_training():
+@pytest.mark.parametrize("window", [0, 4])  # 4: Mistral's sliding window, narrower than 9
+def test_pseudo_chains_leave_the_real_tokens_alone_and_match_training(window):
     cfg, params = tiny()
+    cfg = dataclasses.replace(cfg, sliding_window=window)
     drafter = FirpDrafter(cfg, (1, 2))
     dparams = random_maps(cfg, 2)
     tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, cfg.vocab_size)
@@ -88,6 +90,11 @@ def test_pseudo_chains_leave_the_real_tokens_alone_and_match_training():
     assert pseudo.shape == trained.shape == (2, 3, 2, cfg.dim)
     np.testing.assert_allclose(trained, pseudo, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(real, plain, rtol=1e-4, atol=1e-4)
+    # as the trainer's cache of real passes gives them: no keys/values below layers[0]
+    _, full, states = real_context(params, cfg, tokens, (1, 2))
+    keys, values = (None, *full.keys[1:]), (None, *full.values[1:])
+    cached, _ = pseudo_forward(params, cfg, dparams["maps"], (1, 2), keys, values, states, anchors)
+    np.testing.assert_allclose(cached, trained, rtol=1e-4, atol=1e-4)
 
 
 def test_teacher_forced_steps_see_the_real_states_before_their_position():
