@@ -171,19 +171,22 @@ def test_eagle_settings_round_trip():
 
 @pytest.fixture(scope="module")
 def trained_eagle(tiny_ckpt, tmp_path_factory):
-    """Train 4 steps (the answers made 3 prompts at a time), 'interrupt', resume to 6 with
-    the states computed live (as on a GPU): (drafter dir, reports, checkpoint, work)."""
+    """Train 4 steps (the answers made 3 prompts at a time), 'interrupt', resume with the
+    states computed live (as on a GPU) and stop at once by --max-minutes (step 5, a drafter
+    written), resume again to 6: (drafter dir, reports, checkpoint, work)."""
     import train.eagle as eagle
     from tests.conftest import tiny_training_args, train_on_made_up_conversations
 
     tmp = tmp_path_factory.mktemp("eagle")
     common = [*tiny_training_args(tiny_ckpt[0], tmp, save_every=2), "--rows", "6", "--ttt", "3",
               "--depth", "3", "--guess-vocab", "40", "--overwrite"]  # fmt: skip
-    first, second = train_on_made_up_conversations(
+    first, stopped, second = train_on_made_up_conversations(
         eagle,
         [*common, "--steps", "4", "--answer-batch", "3"],
+        [*common, "--steps", "6", "--states", "live", "--max-minutes", "0.0001"],
         [*common, "--steps", "6", "--states", "live"],
     )
+    assert stopped["steps"] == 5 and "test_topk_accuracy" in stopped  # a drafter all the same
     return tmp / "out", first, second, tiny_ckpt[0], tmp / "work"
 
 

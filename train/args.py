@@ -10,7 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jaxspec.checkpoint import default_model_dir, jaxspec_home
-from jaxspec.cli import ArgumentParser, mesh_flag, nonnegative_float, positive_int, seed
+from jaxspec.cli import (
+    ArgumentParser,
+    mesh_flag,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+    seed,
+)
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 
 from .checkpoints import run_name
@@ -41,10 +48,12 @@ def trainer_parser(
     batch_help: str = "sequences per step",
     save_every: int = 50,
     can_init: bool = False,
+    can_stop_early: bool = True,
 ) -> argparse.ArgumentParser:
     """Model and output, the self-distillation data (the model's own answers to ShareGPT
     train-split prompts), the optimisation schedule and the seed; with `can_init`, --init
-    (the trainer starts from `checkpoints.initial_params`)."""
+    (the trainer starts from `checkpoints.initial_params`); with `can_stop_early`,
+    --max-minutes (`Trainer.fit` stops there)."""
     p = ArgumentParser(prog=f"jaxspec-train {method}", description=doc)
     p.add_argument("--model", type=Path, help="jaxspec checkpoint (default: the default model)")
     p.add_argument(
@@ -90,6 +99,13 @@ def trainer_parser(
         "--lr", type=nonnegative_float, default=1e-3, help="peak learning rate (0 keeps weights)"
     )
     p.add_argument("--save-every", type=positive_int, default=save_every)
+    if can_stop_early:
+        p.add_argument(
+            "--max-minutes",
+            type=positive_float,
+            help="stop after this many minutes of the run (making its data included), save, "
+            "and write the drafter from the weights so far; the same command resumes later",
+        )
     p.add_argument("--seed", type=seed, default=0)
     return p
 

@@ -58,7 +58,7 @@ def default_layers(n_layers: int) -> tuple[int, ...]:
 
 def parse_args(argv):
     p = trainer_parser(
-        "firp", __doc__, steps=300, save_every=25,
+        "firp", __doc__, steps=300, save_every=25, can_stop_early=False,
         steps_help="updates per FIRP step (a rerun with more continues the current FIRP step)",
     )  # fmt: skip
     p.add_argument(

@@ -178,16 +178,22 @@ class Trainer:
         return report
 
     def fit(self, manager, state):
-        """Steps from the state's to --steps, each saved on the --save-every interval and the
-        last one always -> (state, the last step's aux or None)."""
-        steps, aux = self.args.steps, None
+        """Steps from the state's to --steps (or until --max-minutes of the run have passed),
+        each saved on the --save-every interval and the last one always -> (state, the last
+        step's aux or None)."""
+        steps, aux, limit = self.args.steps, None, self.args.max_minutes
         desc = self.desc or f"train {self.method}"
         bar = tqdm(range(int(state["step"]), steps), desc=desc, unit="step")
         for step in bar:
             state, aux = self.step(state, step)
             if (step + 1) % self.show_every == 0 and (postfix := self.shown(aux)):
                 bar.set_postfix(**postfix)
-            save(manager, step + 1, state, last=step + 1 == steps)
+            out_of_time = limit is not None and time.perf_counter() - self.start_time >= limit * 60
+            save(manager, step + 1, state, last=step + 1 == steps or out_of_time)
+            if out_of_time and step + 1 < steps:
+                bar.close()
+                print(f"--max-minutes {limit:g}: stopped after step {step + 1} of {steps}")
+                break
         return state, aux
 
     def save(self, result: Result) -> None:
