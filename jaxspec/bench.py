@@ -77,8 +77,8 @@ def run_benchmark(
     one_shape (single_turn only): every row's programs sized for the longest prompt, so
     each row compiles once for the whole run (where compiles are slow, a GPU), shorter
     prompts padded; min_prompt_len (one_shape): size them for at least this many prompt
-    tokens (runs given the same size compile the same programs, which a persistent
-    compilation cache then shares between them); warm_up_workers: rows compiled and
+    tokens (runs given the same size need the same programs: a later run in the process
+    reuses them, not compiles them again); warm_up_workers: rows compiled and
     warmed up at once (threads: XLA compiles outside Python's lock, so a many-core host
     compiles rows side by side)."""
     methods = check_rows(rows)

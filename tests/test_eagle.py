@@ -227,7 +227,7 @@ def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
     stored = features.stored_layers(model.cfg, layers)
     data = features.layer_features(model, tmp_path, "train", 6, 40, 24, layers, answer_batch=4)
     seqs = np.array([4, 1])
-    states, _ = features.layer_states(
+    states = features.live_states(
         model.params, jnp.asarray(data["tokens"][seqs]), cfg=model.cfg, layers=stored
     )
     live = fused_and_last(states, stored, layers)

@@ -155,9 +155,9 @@ def chimera(tmp, monkeypatch, argv=()) -> dict:
 
 
 def eagle(tmp, monkeypatch, states="cached") -> dict:
-    """states "live": the training answers' states made at every step (layer_states)."""
+    """states "live": the training answers' states made at every step (live_states)."""
     programs = {}
-    record(monkeypatch, programs, train.eagle, "layer_states", stop=False)
+    record(monkeypatch, programs, train.eagle, "live_states", stop=False)
     record(monkeypatch, programs, train.eagle, "train_step")
     record(monkeypatch, programs, train.eagle, "topk_hits")
 
@@ -172,7 +172,7 @@ def eagle(tmp, monkeypatch, states="cached") -> dict:
     argv = ["--ttt", "2", "--rows", "4", "--guess-vocab", "32", "--states", states]
     trainer, manager, state = started(train.eagle, train.eagle.Eagle, argv, tmp)
     step(trainer, state)
-    assert ("layer_states" in programs) == (states == "live")
+    assert ("live_states" in programs) == (states == "live")
     with pytest.raises(Stop):
         scored = {**state["params"], "vocab": trainer.vocab}
         train.eagle.evaluate(trainer.drafter, model().params, scored, trainer.test_f, 2)
@@ -239,7 +239,7 @@ TRAINERS = {
     ),
     "sdsat": (sdsat, {"train_step", "span_hits"}),
     "eagle": (eagle, {"train_step", "topk_hits"}),
-    "eagle-live": (partial(eagle, states="live"), {"layer_states", "train_step"}),
+    "eagle-live": (partial(eagle, states="live"), {"live_states", "train_step"}),
     "sdsat-full": (sdsat_full, {"full_step"}),
     "sdsat-full-basic": (partial(sdsat_full, loss="basic"), {"full_step"}),
     "ppd": (ppd, {"layer_states", "train_step", "match_hits"}),

@@ -103,7 +103,7 @@ def trainer_parser(
         p.add_argument(
             "--max-minutes",
             type=positive_float,
-            help="stop after this many minutes of the run (making its data included), save, "
+            help="stop after this many minutes of the run (making its data counts), save, "
             "and write the drafter from the weights so far; the same command resumes later",
         )
     p.add_argument("--seed", type=seed, default=0)

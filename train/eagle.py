@@ -43,7 +43,7 @@ from . import skeleton
 from .args import parse, trainer_parser
 from .checkpoints import command_flags, started_from
 from .chimera import frequent_tokens, row_range, sample_rows, vocab_coverage
-from .features import layer_features, layer_states, self_answers, stored_layers
+from .features import layer_features, live_states, self_answers, stored_layers
 from .optim import apply_grads
 from .selfdata import PROMPTS
 from .skeleton import Result, Trainer
@@ -202,7 +202,7 @@ class Eagle(Trainer):
         rows = sample_rows(self.train_f, seqs, args.rows, args.ttt, rng)
         tokens = jnp.asarray(self.train_f["tokens"][seqs])
         if args.states == "live":
-            states, _ = layer_states(self.model.params, tokens, cfg=self.cfg, layers=self.stored)
+            states = live_states(self.model.params, tokens, cfg=self.cfg, layers=self.stored)
             fused3, last = fused_and_last(states, self.stored, self.drafter.layers)
         else:
             fused3, last = cached_fused_and_last(self.train_f, seqs, self.drafter.layers)

@@ -153,17 +153,34 @@ def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_
     return extract_sequences(model, answers, root / name, reuse=reuse)
 
 
-@partial(jax.jit, static_argnames=("cfg", "layers"))
-def layer_states(params, tokens, *, cfg, layers):
-    """tokens [B,T] -> the states after each of `layers` (layer counts, the last included)
-    [B,T,L,D] float16 and the model's greedy next token [B,T]: what layer_features caches."""
+def _states(params, tokens, cfg, layers) -> dict:
+    """tokens [B,T] -> {layer count: the states after it [B,T,D]} for `layers`."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     _, _, states = run_layers(
         params, cfg, embed(params, tokens), positions, None, causal_mask(B, T), collect=layers
     )
+    return states
+
+
+def _stacked(states: dict, layers) -> jax.Array:
+    return jnp.stack([states[n] for n in layers], axis=2).astype(jnp.float16)  # [B,T,L,D]
+
+
+@partial(jax.jit, static_argnames=("cfg", "layers"))
+def live_states(params, tokens, *, cfg, layers):
+    """tokens [B,T] -> the states after each of `layers` (layer counts, the last included)
+    [B,T,L,D] float16, as layer_features caches them (a training step's, --states live)."""
+    return _stacked(_states(params, tokens, cfg, layers), layers)
+
+
+@partial(jax.jit, static_argnames=("cfg", "layers"))
+def layer_states(params, tokens, *, cfg, layers):
+    """live_states(...) and the model's greedy next token [B,T]: what layer_features
+    caches."""
+    states = _states(params, tokens, cfg, layers)
     predicted = jnp.argmax(lm_logits(params, cfg, states[cfg.n_layers]), -1).astype(jnp.int32)
-    return jnp.stack([states[n] for n in layers], axis=2).astype(jnp.float16), predicted
+    return _stacked(states, layers), predicted
 
 
 def stored_layers(cfg, layers: tuple[int, ...]) -> tuple[int, ...]:

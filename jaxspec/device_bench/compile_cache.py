@@ -1,9 +1,9 @@
 """Compiled programs kept on disk for the campaign (jax's persistent compilation cache).
 
-On a GPU a program compiles in 10-25 s, and the end-to-end part compiles every row for
-each of its groups and question sets: AR alone is the same program in every group. With
-the cache a program compiled once is loaded by every later group, question set, and later
-call on the same machine (a warm device machine keeps its disk between calls)."""
+On a GPU a program compiles in 10-25 s. Within one process jax already reuses a program
+it has compiled (AR's, in every group of the end-to-end part); the cache keeps them for
+the next process: a later call on the same machine (a warm device machine keeps its disk
+between calls) loads them instead of compiling again."""
 
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ def default_model_rows(
     interleaved question by question; its rows are added when it ends, so that a part cut
     short by its time cap keeps the groups done. Every set's programs are sized for the
     longest prompt of all sets: a row compiled for one set is the same program in the next
-    (loaded from the compile cache, not compiled again)."""
+    (reused, not compiled again)."""
     model = open_model(model_src)
     path, cfg = model.path, model.cfg
     groups = bench_rows(cfg, drafters, methods)
