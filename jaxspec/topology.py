@@ -15,6 +15,9 @@ import jax.numpy as jnp
 
 from jaxspec.tree import DynamicTree, TreeSpec
 
+# Per depth (slope, shift): a drafter's guess probabilities as acceptance estimates (`calibrated`).
+Calibration = tuple[tuple[float, float], ...]
+
 
 @flax.struct.dataclass
 class Topology:
@@ -92,12 +95,14 @@ class Retrieved:
     score: jax.Array
 
 
-def select_nodes(logits: jax.Array, tree: DynamicTree, extra: Retrieved | None = None) -> Draft:
+def select_nodes(logits: jax.Array, tree: DynamicTree, extra: Retrieved | None = None,
+                 calibration: Calibration = ()) -> Draft:  # fmt: skip
     """Per-depth guesses logits [B,K,V] (K >= depth; guesses at depth d do not depend on
     the path, as Medusa heads' and FIRP's) -> the N nodes of highest path probability (the
-    product of the drafter's probabilities along the path) among the paths of top-`width`
-    guesses up to tree.max_depth, and the paths of `extra`'s chains, each scored by the
-    higher of the drafter's path probability and its own confidence (merge_chains).
+    product of the drafter's probabilities along the path, each first mapped through
+    `calibration` when given) among the paths of top-`width` guesses up to tree.max_depth,
+    and the paths of `extra`'s chains, each scored by the higher of the drafter's path
+    probability and its own confidence (merge_chains).
 
     Depth by depth only the N best of each depth can have chosen children, so each depth
     keeps its N best; then the N best of all are the tree (a path's probability never
@@ -109,7 +114,7 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: Retrieved | None =
     # The barrier keeps this TopK a TopK: with the later ones in the same program, XLA:CPU
     # otherwise rewrites it into a full sort of the vocabulary (~10 ms a depth at V=49k).
     guess_lp, guess = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))  # [B,D,k]
-    guess_lp = guess_lp - norm  # log probabilities of the guesses
+    guess_lp = calibrated(guess_lp - norm, calibration)  # log probabilities of the guesses
     score, rank = jax.lax.top_k(guess_lp[:, 0], min(N, k))  # depth 1
     token = jnp.take_along_axis(guess[:, 0], rank, axis=1)
     path = jnp.full((*token.shape, D), -1, jnp.int32).at[..., 0].set(token)  # [B,M,D]
@@ -131,11 +136,25 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: Retrieved | None =
     if extra is not None:
         chains = extra.tokens
         at = jnp.maximum(chains, 0).transpose(0, 2, 1)  # [B,D,X]
-        lp = (jnp.take_along_axis(logits, at, axis=2) - norm).transpose(0, 2, 1)  # [B,X,D]
+        lp = calibrated(jnp.take_along_axis(logits, at, axis=2) - norm, calibration)
+        lp = lp.transpose(0, 2, 1)  # [B,X,D]
         drafter = jnp.cumsum(lp, axis=2)
         pool = merge_chains(pool, jnp.concatenate(paths, 1), chains,
                             jnp.maximum(drafter, extra.score))  # fmt: skip
     return best_of_pool(*pool, N)
+
+
+def calibrated(lp: jax.Array, calibration: Calibration) -> jax.Array:
+    """Guess log probabilities lp [B,D,...] (axis 1: depth) -> estimated log probabilities
+    that each guess is right when its parent is: min(0, slope * lp + shift) with depth d's
+    (slope, shift) from `calibration` (a drafter's, fitted on held-out answers); () leaves
+    lp as it is. Non-positive, so a path's score never exceeds its parent's."""
+    if not calibration:
+        return lp
+    D = lp.shape[1]
+    slope, shift = (jnp.asarray([c[i] for c in calibration[:D]], lp.dtype) for i in (0, 1))
+    shape = (1, D) + (1,) * (lp.ndim - 2)
+    return jnp.minimum(0.0, slope.reshape(shape) * lp + shift.reshape(shape))
 
 
 def merge_chains(pool, known: jax.Array, chains: jax.Array, score: jax.Array):

@@ -26,11 +26,13 @@ from jaxspec.tree import DynamicTree, tree_preset
 from tests.test_api import write_drafters
 
 
-def brute_force_scores(logits: np.ndarray, depth: int, width: int) -> np.ndarray:
+def brute_force_scores(logits: np.ndarray, depth: int, width: int, calibration=()) -> np.ndarray:
     """Every path of top-`width` ranks up to `depth` -> its log path probability, best
-    first (one row of per-depth logits [K,V])."""
-    logp = jax.nn.log_softmax(jnp.asarray(logits[:depth], jnp.float32), axis=-1)
-    top = np.sort(np.asarray(logp), axis=-1)[:, ::-1][:, :width]  # [depth,width]
+    first (one row of per-depth logits [K,V]; each factor calibrated when asked)."""
+    logp = np.array(jax.nn.log_softmax(jnp.asarray(logits[:depth], jnp.float32), axis=-1))
+    for d, (slope, shift) in enumerate(calibration[:depth]):
+        logp[d] = np.minimum(0.0, slope * logp[d] + shift)
+    top = np.sort(logp, axis=-1)[:, ::-1][:, :width]  # [depth,width]
     paths = [p for n in range(1, depth + 1) for p in itertools.product(range(width), repeat=n)]
     scores = [sum(top[d, r] for d, r in enumerate(path)) for path in paths]
     return np.sort(scores)[::-1]
@@ -55,6 +57,29 @@ def test_chosen_nodes_are_the_best_by_the_drafters_scores(nodes, depth, width):
         np.testing.assert_allclose(np.sort(score[1:])[::-1], best, rtol=1e-5, atol=1e-5)
         siblings = [(parent[i], tokens[i]) for i in range(nodes)]
         assert len(set(siblings)) == nodes  # no node twice
+
+
+CALIBRATION = ((0.9, -0.3), (0.5, -2.0), (1.2, 0.4), (1.0, -0.1))
+
+
+@pytest.mark.parametrize("nodes, depth, width", [(6, 3, 3), (16, 4, 4)])
+def test_calibrated_nodes_are_the_best_by_the_calibrated_scores(nodes, depth, width):
+    tree = DynamicTree(nodes + 1, depth, width)
+    logits = 2.0 * jax.random.normal(jax.random.key(nodes + 1), (2, depth, 17))
+    draft = select_nodes(logits, tree, calibration=CALIBRATION)
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for b in range(2):
+        tokens, parent, d = (np.asarray(x[b]) for x in (draft.tokens, draft.parent, draft.depth))
+        score, depth_of = np.zeros(nodes + 1), np.concatenate([[0], d])
+        for n in range(1, nodes + 1):
+            slope, shift = CALIBRATION[depth_of[n] - 1]
+            own = min(0.0, slope * float(logp[b, depth_of[n] - 1, tokens[n - 1]]) + shift)
+            score[n] = score[parent[n - 1]] + own
+        best = brute_force_scores(np.asarray(logits[b]), depth, width, CALIBRATION)[:nodes]
+        np.testing.assert_allclose(np.sort(score[1:])[::-1], best, rtol=1e-5, atol=1e-5)
+    # the calibration moves nodes: the raw scores choose another tree
+    raw = select_nodes(logits, tree)
+    assert not np.array_equal(np.asarray(raw.depth), np.asarray(draft.depth))
 
 
 def test_ties_keep_every_parent():

@@ -16,7 +16,7 @@ from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import load_drafter, save_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.tree import tree_preset
+from jaxspec.tree import DynamicTree, tree_preset
 from tests.conftest import one_line_error, tiny_training_args
 
 
@@ -152,6 +152,21 @@ def test_trained_medusa_is_lossless(trained):
             continue
         spec = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset(tree))
         assert spec.generate(prompt, 30).token_ids == ar
+
+
+def test_trained_medusa_carries_its_calibration_into_dynamic_trees(trained):
+    out, _, second, ckpt = trained
+    cfg, params = load_checkpoint(ckpt, jnp.float32)
+    settings, dparams, _ = load_drafter(out, "medusa", cfg)
+    drafter = MedusaDrafter.from_settings(cfg, settings)
+    assert len(drafter.calibration) == 3 and second["calibration"] == [
+        list(pair) for pair in drafter.calibration
+    ]
+    assert all(slope > 0 for slope, _ in drafter.calibration)
+    prompt = [5, 9, 11, 30, 7]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 30).token_ids
+    spec = SpeculativeGenerator(cfg, params, drafter, dparams, DynamicTree(8, 3, 4))
+    assert spec.generate(prompt, 30).token_ids == ar
 
 
 def test_untrained_heads_copy_the_base_prediction(tiny_ckpt):

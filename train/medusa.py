@@ -10,7 +10,8 @@
    model's whole next-token distribution there (`--targets kl`: KL self-distillation).
    Loss per head weighted decay**k.
 3. Orbax checkpoints every --save-every steps; a rerun resumes from the last one.
-4. Evaluation: per-head top-1..5 accuracy on the test split; the drafter and its card
+4. Evaluation: per-head top-1..5 accuracy on the test split, and each head's calibration
+   for dynamic trees (train/calibration.py); the drafter and its card
    are written to --out, then its accepted tokens per step are measured (train/acceptance.py).
 """
 
@@ -27,14 +28,18 @@ from jaxspec.cli import positive_float, positive_int
 from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.drafters.medusa import MedusaDrafter, MedusaSettings
 from jaxspec.llama import lm_logits
+from jaxspec.topology import top_log_probs
 from jaxspec.tree import searched_trees
 
 from . import skeleton
 from .args import parse, trainer_parser
+from .calibration import fit_calibration
 from .checkpoints import command_flags, started_from
 from .features import answer_features, extract
 from .optim import apply_grads
 from .skeleton import Result, Trainer
+
+CALIBRATION_WIDTH = 8  # guesses per head the calibration is fitted on (dynamic trees' default)
 
 
 def parse_args(argv):
@@ -103,22 +108,28 @@ def train_step(state, base, h, labels, h_future, weights, *, drafter, optimizer)
     return apply_grads(state, grads, optimizer), losses
 
 
-@partial(jax.jit, static_argnames=("drafter",))
-def topk_hits(base, params, h, labels, *, drafter):
-    """-> [K,5] hits at top-1..5 per head."""
-    ranks = jax.lax.top_k(drafter.head_logits(base, params, h), 5)[1]  # [N,K,5]
-    hit = jnp.cumsum(ranks == labels[..., None], axis=-1) > 0
-    return hit.sum(0)
+@partial(jax.jit, static_argnames=("drafter", "width"))
+def guess_hits(base, params, h, labels, *, drafter, width):
+    """-> each head's top-`width` guesses' log probabilities [N,K,w] and whether each is
+    the label [N,K,w]."""
+    lp, guess = top_log_probs(drafter.head_logits(base, params, h), width)
+    return lp, guess == labels[..., None]
 
 
-def evaluate(drafter, base, params, features, targets, batch=512) -> np.ndarray:
+def evaluate(drafter, base, params, features, targets, batch=512):
+    """-> top-1..5 accuracy per head [K,5], and the calibration of its top-CALIBRATION_WIDTH
+    guesses (train/calibration.py)."""
     pairs, labels = samples(features, drafter.n_heads, targets)
-    hits = np.zeros((drafter.n_heads, 5))
+    lps, hits = [], []
     for i in range(0, len(pairs), batch):
-        p, lab = pairs[i : i + batch], labels[i : i + batch]
-        h, _ = gather(features, p, drafter.n_heads, False)
-        hits += np.asarray(topk_hits(base, params, h, jnp.asarray(lab), drafter=drafter))
-    return hits / len(pairs)  # [K,5] top-1..5 accuracy
+        h, _ = gather(features, pairs[i : i + batch], drafter.n_heads, False)
+        lp, hit = guess_hits(base, params, h, jnp.asarray(labels[i : i + batch]),
+                             drafter=drafter, width=CALIBRATION_WIDTH)  # fmt: skip
+        lps.append(np.asarray(lp))
+        hits.append(np.asarray(hit))
+    lp, hit = np.concatenate(lps), np.concatenate(hits)
+    accuracy = np.cumsum(hit[..., :5], -1).clip(0, 1).mean(0)  # [K,5]
+    return accuracy, fit_calibration(lp, hit)
 
 
 class Medusa(Trainer):
@@ -163,14 +174,17 @@ class Medusa(Trainer):
     def finish(self, state, losses) -> Result:
         args = self.args
         losses = np.zeros(args.heads) if losses is None else losses
-        accuracy = evaluate(self.drafter, self.model.params, state["params"], self.test_f,
-                            args.targets)  # fmt: skip
-        settings = MedusaSettings(n_heads=args.heads, own_lm_head=args.own_lm_head,
-                                  trees=searched_trees(accuracy))  # fmt: skip
+        accuracy, calibration = evaluate(self.drafter, self.model.params, state["params"],
+                                         self.test_f, args.targets)  # fmt: skip
+        settings = MedusaSettings(
+            n_heads=args.heads, own_lm_head=args.own_lm_head, trees=searched_trees(accuracy),
+            calibration=calibration,
+        )  # fmt: skip
         report = {
             "steps": int(state["step"]),
             "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
+            "calibration": [list(pair) for pair in calibration],
             "train_positions": int(len(self.pairs)),
             "train_minutes": self.minutes(),
         }
@@ -220,6 +234,10 @@ top-1..5 against the base model's greedy tokens:
 | head | top-1 | top-2 | top-3 | top-4 | top-5 |
 |---|---|---|---|---|---|
 {rows}
+
+Dynamic trees score a head's guess of probability p as min(1, exp(shift) * p**slope),
+fitted on the same test answers (train/calibration.py); (slope, shift) per head:
+{", ".join(f"({a}, {b})" for a, b in report["calibration"])}.
 """
 
 

@@ -14,7 +14,7 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import KVCache
 from jaxspec.llama import run_layers
-from jaxspec.topology import Draft, Retrieved, select_nodes
+from jaxspec.topology import Calibration, Draft, Retrieved, select_nodes
 from jaxspec.tree import DynamicTree, TreeSpec, tree_preset
 
 # On CPU a 1-deep chain: larger trees cost more than their extra accepted tokens gain there.
@@ -108,6 +108,9 @@ class Drafter:
     # (tree_candidates: Medusa, FIRP) or by expanding node by node
     # (topology.expand_frontier: Chimera, EAGLE); None: static trees only.
     draft_depth: int | None = None
+    # Drafters with path-independent guesses: per depth (slope, shift) mapping a guess's log
+    # probability to its estimated acceptance in dynamic trees (topology.calibrated).
+    calibration: Calibration = ()
 
     @classmethod
     def from_settings(cls, cfg: LlamaConfig, settings: DrafterSettings, **options) -> Drafter:
@@ -157,7 +160,8 @@ class Drafter:
         """Drafters with a `draft_depth`: a dynamic tree's nodes, chosen among the
         drafter's guesses and `extra`'s retrieved chains (topology.select_nodes; drafters
         that expand node by node override it)."""
-        return select_nodes(self.guesses(params, drafter_params, tree, inputs), tree, extra)
+        logits = self.guesses(params, drafter_params, tree, inputs)
+        return select_nodes(logits, tree, extra, self.calibration)
 
     def draft_from_cache(self, params, drafter_params, cache: KVCache, current, tree: TreeSpec):
         """cache: committed up to `current` [B] (the next root, not in it) -> candidates
@@ -189,12 +193,13 @@ class Drafter:
         return jax.tree.map(lambda _: layout.rows, state)
 
 
-def tree_candidates(logits: jax.Array, tree: TreeSpec | DynamicTree):
+def tree_candidates(logits: jax.Array, tree: TreeSpec | DynamicTree,
+                    calibration: Calibration = ()):  # fmt: skip
     """Per-depth guesses logits [B,K,V] (K >= max depth) -> candidates [B,T-1]: the node at
     depth d and rank r gets the rank-r token of depth d's guess; for a dynamic tree, the
-    nodes of highest path probability (a topology.Draft)."""
+    nodes of highest (calibrated) path probability (a topology.Draft)."""
     if isinstance(tree, DynamicTree):
-        return select_nodes(logits, tree)
+        return select_nodes(logits, tree, calibration=calibration)
     top = jax.lax.top_k(logits, tree.width)[1]  # [B,K,width]
     depth, rank = jnp.asarray(tree.depth[1:]) - 1, jnp.asarray(tree.rank[1:])
     return top[:, depth, rank].astype(jnp.int32)

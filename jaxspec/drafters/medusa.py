@@ -4,7 +4,9 @@ k positions after the base model's own next token.
 Head k: y = x + SiLU(x W_k + b_k) (W_k zero-initialised), then the vocabulary projection:
 the frozen base lm_head by default (the drafter stays ~1.3 MB per head at D=576), or a
 head-owned copy initialised from it (`own_lm_head`). Tree nodes at depth d, rank r take the
-rank-r token of head d.
+rank-r token of head d. A dynamic tree scores a guess by its head's probability mapped
+through the head's calibration (a head guesses without the path before it, so its raw
+probability is a poor estimate of acceptance given that path; train/calibration.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import dense
 from jaxspec.llama import final_norm, vocab_projection
+from jaxspec.topology import Calibration
 from jaxspec.tree import TreeSpec
 
 
@@ -27,6 +30,9 @@ from jaxspec.tree import TreeSpec
 class MedusaSettings(DrafterSettings):
     n_heads: int
     own_lm_head: bool = False  # each head with its own vocabulary projection
+    # per head (slope, shift): its guesses' probabilities as acceptance estimates in dynamic
+    # trees (topology.calibrated), fitted on the trainer's test answers; None: as they are
+    calibration: tuple[tuple[float, float], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +40,7 @@ class MedusaDrafter(Drafter):
     cfg: LlamaConfig  # the base model's
     n_heads: int = 4
     own_lm_head: bool = False
+    calibration: Calibration = ()
 
     @property
     def collect(self) -> tuple[int, ...]:
@@ -45,7 +52,8 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def from_settings(cls, cfg: LlamaConfig, settings: MedusaSettings, **options) -> MedusaDrafter:
-        return cls(cfg, settings.n_heads, settings.own_lm_head)
+        calibration = tuple(tuple(pair) for pair in settings.calibration or ())
+        return cls(cfg, settings.n_heads, settings.own_lm_head, calibration)
 
     def init(self, base_params, key=None) -> dict:
         D = self.cfg.dim
@@ -102,4 +110,5 @@ class MedusaDrafter(Drafter):
     def propose(self, params, drafter_params, tree: TreeSpec, inputs, key):
         if tree.n_nodes == 1:
             return jnp.zeros((inputs.current.shape[0], 0), jnp.int32)
-        return tree_candidates(self.guesses(params, drafter_params, tree, inputs), tree)
+        logits = self.guesses(params, drafter_params, tree, inputs)
+        return tree_candidates(logits, tree, self.calibration)
