@@ -28,7 +28,6 @@ from jaxspec.cli import positive_float, positive_int
 from jaxspec.data.sources import sharegpt_split, split_tag
 from jaxspec.drafters.medusa import MedusaDrafter, MedusaSettings
 from jaxspec.llama import lm_logits
-from jaxspec.topology import top_log_probs
 from jaxspec.tree import searched_trees
 
 from . import skeleton
@@ -112,8 +111,9 @@ def train_step(state, base, h, labels, h_future, weights, *, drafter, optimizer)
 def guess_hits(base, params, h, labels, *, drafter, width):
     """-> each head's top-`width` guesses' log probabilities [N,K,w] and whether each is
     the label [N,K,w]."""
-    lp, guess = top_log_probs(drafter.head_logits(base, params, h), width)
-    return lp, guess == labels[..., None]
+    logits = drafter.head_logits(base, params, h)
+    lp, guess = jax.lax.top_k(logits, width)
+    return lp - jax.nn.logsumexp(logits, -1, keepdims=True), guess == labels[..., None]
 
 
 def evaluate(drafter, base, params, features, targets, batch=512):
