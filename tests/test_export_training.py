@@ -103,7 +103,7 @@ def step(trainer, state) -> None:
 def medusa(tmp, monkeypatch, targets="self") -> dict:
     programs = {}
     record(monkeypatch, programs, train.medusa, "train_step")
-    record(monkeypatch, programs, train.medusa, "guess_hits")
+    record(monkeypatch, programs, train.medusa, "head_guesses")
     trainer, manager, state = started(
         train.medusa, train.medusa.Medusa, ["--heads", "2", "--targets", targets], tmp,
         features=lambda split, n: made_up_features(),
@@ -227,7 +227,7 @@ def ppd(tmp, monkeypatch) -> dict:
 # case -> (its recorded programs, those to export: a variant's train step only, its
 # evaluation being the plain case's)
 TRAINERS = {
-    "medusa": (medusa, {"train_step", "guess_hits"}),
+    "medusa": (medusa, {"train_step", "head_guesses"}),
     "medusa-kl": (partial(medusa, targets="kl"), {"train_step"}),
     "firp": (firp, {"train_step", "topk_hits"}),
     "firp-stage2": (partial(firp, stage=2), {"train_step"}),
