@@ -21,6 +21,20 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]], chat: bool = 
     return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
 
 
+def encode_reply(tokenizer, messages: list[dict[str, str]], reply: str) -> list[int] | None:
+    """The token ids an assistant `reply` to messages (ending with a user turn) adds after
+    encode_conversation(messages): with a chat template, its rendering with the end of the
+    turn; None where the rendered conversation does not start with the prompt's ids."""
+    prompt = encode_conversation(tokenizer, messages)
+    turns = [*messages, {"role": "assistant", "content": reply}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        ids = list(tokenizer.encode("\n".join(m["content"] for m in turns)))
+    return ids[len(prompt) :] if ids[: len(prompt)] == prompt else None
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> list[int]:
     return encode_conversation(tokenizer, [{"role": "user", "content": prompt}], chat)
 

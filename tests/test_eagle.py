@@ -235,3 +235,31 @@ def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
     for a, b in zip(live, cached, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)
+
+
+def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tmp_path):
+    """--answers sharegpt trains on the conversations' own replies, states live and no
+    answers generated; training further with --init keeps that drafter's draft vocabulary;
+    cached states are refused for such answers."""
+    import train.eagle as eagle
+    from jaxspec.drafters.store import load_drafter
+    from tests.conftest import tiny_training_args, train_on_made_up_conversations
+
+    flags = ["--rows", "6", "--ttt", "2", "--depth", "2", "--guess-vocab", "30", "--steps", "2",
+             "--answers", "sharegpt"]  # fmt: skip
+    first = [*tiny_training_args(tiny_ckpt[0], tmp_path / "a"), *flags]
+    further = [*tiny_training_args(tiny_ckpt[0], tmp_path / "b"), *flags, "--answers", "self",
+               "--init", str(tmp_path / "a" / "out")]  # fmt: skip
+    a, b = train_on_made_up_conversations(eagle, first, further)
+    work = tmp_path / "a" / "work"
+    assert list(work.rglob("sharegpt-first-train-8-p40-n24.npz"))
+    assert not list(work.rglob("self-train-*.npz")) and not list(work.rglob("states-*-train-*"))
+    assert a["steps"] == 2 and not a["draft_vocab_kept"] and b["draft_vocab_kept"]
+    assert "the conversations' own (ChatGPT's) replies" in (tmp_path / "a/out/CARD.md").read_text()
+    model = jaxspec.load_model(tiny_ckpt[0], dtype="float32")
+    vocabs = [load_drafter(tmp_path / run / "out", "eagle", model.cfg).data["draft_vocab"]
+              for run in "ab"]  # fmt: skip
+    np.testing.assert_array_equal(*vocabs)
+    with pytest.raises(SystemExit):
+        eagle.parse_args([*tiny_training_args(tiny_ckpt[0], tmp_path / "c"), *flags, "--states",
+                          "cached"])  # fmt: skip

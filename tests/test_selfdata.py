@@ -8,10 +8,15 @@ import pytest
 
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.models import load_model
-from jaxspec.text import encode_conversation
+from jaxspec.text import encode_conversation, encode_reply
 from tests.test_medusa import conversations
 from train.features import answer_features, extract_sequences, layer_features
-from train.selfdata import every_turn_prompts, first_turn_prompts, generate_answers
+from train.selfdata import (
+    dataset_replies,
+    every_turn_prompts,
+    first_turn_prompts,
+    generate_answers,
+)
 
 SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
 
@@ -185,3 +190,33 @@ def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generate
     assert generated == [[got[1]]]  # only the new prompt was answered
     assert (tmp_path / "self-every-train-3-p40-n6.npz").is_file()
     assert sorted(data["starts"].tolist()) == sorted(len(p) for p in got)
+
+
+def test_dataset_replies_follow_their_prompts(model):
+    """dataset_replies: each user turn (the first, or every one) with the conversation's own
+    reply after it, cut at its end token and at new_tokens; a turn with no reply is left
+    out."""
+    tok, eos = model.tokenizer, tuple(model.cfg.eos_token_ids)
+    long_reply = " ".join(["w10"] * 30)
+    chat = [{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7 w8"},
+            {"from": "human", "value": "w9"}, {"from": "gpt", "value": long_reply},
+            {"from": "human", "value": "w13"}]  # fmt: skip
+    talks = [{"id": "a", "conversations": chat},
+             {"id": "b", "conversations": [{"from": "human", "value": "w21"},
+                                           {"from": "gpt", "value": "w22"}]}]  # fmt: skip
+    every = dataset_replies(tok, talks, 10, 100, 6, "every", eos)
+    first = dataset_replies(tok, talks, 10, 100, 6, "first", eos)
+    prompts = every_turn_prompts(tok, talks, 10, 100)  # a's three turns, then b's
+    assert len(every["tokens"]) == 3 and len(first["tokens"]) == 2
+    replies = []
+    for n, prompt in enumerate(prompts[i] for i in (0, 1, 3)):
+        start, end = every["starts"][n], every["lengths"][n]
+        assert every["tokens"][n, :start].tolist() == prompt
+        replies.append(every["tokens"][n, start:end].tolist())
+    messages = [{"role": "user", "content": "w5 w6"}]
+    whole = encode_reply(tok, messages, "w7 w8")
+    ends = [i for i, t in enumerate(whole) if t in eos]
+    assert replies[0] == whole[: ends[0] + 1 if ends else None][:6]
+    assert tok.decode(replies[0]).startswith("w7 w8")
+    assert len(replies[1]) == 6 and tok.decode(replies[1]).startswith("w10 w10")
+    assert first["tokens"][1].tolist() == every["tokens"][2].tolist()  # b's only turn

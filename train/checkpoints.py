@@ -24,6 +24,7 @@ LATER_FLAGS = {
     "training": "chained",
     "loss": "improved",
     "turns": "first",
+    "answers": "self",
 }
 
 

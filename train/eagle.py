@@ -2,10 +2,12 @@
 states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training-time test.
 
 1. Data: the base model's own greedy answers to ShareGPT train-split prompts (shared with
-   the other trainers) and its states after the fused layers and the last one at every
+   the other trainers; `--answers sharegpt`: the conversations' own replies, which cost no
+   generation) and its states after the fused layers and the last one at every
    position: cached beside them (--states cached, 1.5 MB a sequence at 135M), or computed
    from each batch's tokens at every step (--states live: on a GPU, for more answers
-   than a disk holds the states of).
+   than a disk holds the states of; always for ShareGPT's replies). The targets are the
+   model's own distributions either way; the test split is always the model's answers.
 2. Each step takes --batch whole sequences; --ttt steps of the layer run over them, step k
    feeding each position step k-1's output as its feature (`training_outputs`: the masks
    drafting uses at depth k-1). At --rows answer positions per sequence every step's guess
@@ -35,6 +37,7 @@ from jaxspec.drafters.eagle import (
     shifted,
     training_outputs,
 )
+from jaxspec.drafters.store import load_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import draft_vocab, lm_logits
 from jaxspec.tree import searched_trees
@@ -43,12 +46,19 @@ from . import skeleton
 from .args import parse, trainer_parser
 from .checkpoints import command_flags, started_from
 from .chimera import frequent_tokens, row_range, sample_rows, vocab_coverage
-from .features import layer_features, live_states, self_answers, stored_layers
+from .features import (
+    layer_features,
+    live_states,
+    self_answers,
+    sharegpt_replies,
+    stored_layers,
+)
 from .optim import apply_grads
 from .selfdata import PROMPTS
 from .skeleton import Result, Trainer
 
 STATES = ("cached", "live")  # where the training answers' states come from
+ANSWERS = ("self", "sharegpt")  # whose answers the drafter trains on
 
 
 def parse_args(argv):
@@ -69,11 +79,19 @@ def parse_args(argv):
         "before it (more prompts; raise --prompt-len, e.g. 1024); the test split's stay first",
     )
     p.add_argument(
+        "--answers",
+        choices=ANSWERS,
+        default="self",
+        help="training answers: the model's own greedy ones (self), or the conversations' "
+        "replies (sharegpt: no generation, states live)",
+    )
+    p.add_argument(
         "--states",
         choices=STATES,
-        default="cached",
+        default=None,
         help="the model's states of the training answers: computed once and kept on disk "
-        "(cached), or from each batch's tokens at every step (live: a GPU, many answers)",
+        "(cached, the default for self answers), or from each batch's tokens at every step "
+        "(live: a GPU, many answers; ShareGPT's replies)",
     )
     p.add_argument(
         "--guess-vocab",
@@ -82,7 +100,11 @@ def parse_args(argv):
         help="the drafter guesses (and trains) among this many most frequent answer tokens "
         "(0: all)",
     )
-    return parse(p, argv)
+    args = parse(p, argv)
+    if args.answers == "sharegpt" and args.states == "cached":
+        p.error("--answers sharegpt computes states live: leave out --states cached")
+    args.states = args.states or ("live" if args.answers == "sharegpt" else "cached")
+    return args
 
 
 def fused_and_last(states, stored: tuple[int, ...], layers: tuple[int, ...]):
@@ -158,6 +180,16 @@ def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
     return hits / total
 
 
+def kept_vocab(args, cfg) -> np.ndarray | None:
+    """The --init drafter's draft vocabulary when it has --guess-vocab tokens (end tokens
+    aside): training further keeps it, whatever answers the run counts tokens in."""
+    if args.init is None:
+        return None
+    ids = load_drafter(args.init, "eagle", cfg).data.get("draft_vocab")
+    n = args.guess_vocab
+    return ids if ids is not None and n <= len(ids) <= n + len(cfg.eos_token_ids) else None
+
+
 class Eagle(Trainer):
     method = "eagle"
 
@@ -176,7 +208,12 @@ class Eagle(Trainer):
                                   answer_batch=args.answer_batch, turns=turns)  # fmt: skip
 
         self.stored = stored_layers(cfg, self.drafter.layers)
-        if args.states == "live":  # answers only; their states are made batch by batch
+        if args.answers == "sharegpt":  # their states are made batch by batch
+            self.train_f = sharegpt_replies(
+                self.model, self.shared, "train", args.train_seqs, args.prompt_len,
+                args.new_tokens, args.turns,
+            )  # fmt: skip
+        elif args.states == "live":  # answers only; their states are made batch by batch
             self.train_f = self_answers(
                 self.model, self.shared, "train", args.train_seqs, args.prompt_len,
                 args.new_tokens, args.answer_batch, args.turns,
@@ -186,7 +223,11 @@ class Eagle(Trainer):
         self.test_f = load("test", args.test_seqs)
         self.vocab_ids = None
         if args.guess_vocab:
-            ids = frequent_tokens(self.train_f, args.guess_vocab, tuple(cfg.eos_token_ids))
+            eos = tuple(cfg.eos_token_ids)
+            ids = kept_vocab(args, cfg)
+            self.vocab_kept = ids is not None
+            if ids is None:
+                ids = frequent_tokens(self.train_f, args.guess_vocab, eos)
             self.vocab_ids = np.asarray(ids, np.int32)
         self.vocab = None if self.vocab_ids is None else draft_vocab(
             self.model.params, cfg, self.vocab_ids)  # fmt: skip
@@ -234,6 +275,7 @@ class Eagle(Trainer):
             "steps": int(state["step"]),
             **record,
             "draft_vocab_test_coverage": coverage,
+            "draft_vocab_kept": bool(self.vocab_ids is not None and self.vocab_kept),
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
         }
         params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), params)
@@ -256,9 +298,16 @@ def card(args, cfg, drafter, report) -> str:
         else f"{args.train_seqs} user turns of ShareGPT train-split conversations,\n  each "
         "with the conversation before it"
     )
+    answers = (
+        "the base model's own greedy answers"
+        if args.answers == "self"
+        else "the conversations' own (ChatGPT's) replies"
+    )
+    counted = f"the training answers' {args.guess_vocab} most frequent tokens"
+    if report.get("draft_vocab_kept"):
+        counted = f"the drafter's it started from ({counted[4:]})"
     vocab = (
-        f"the {args.guess_vocab} most frequent answer tokens, covering "
-        f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
+        f"{counted}, covering {report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
         if args.guess_vocab
         else "the whole vocabulary"
     )
@@ -269,7 +318,7 @@ def card(args, cfg, drafter, report) -> str:
   token fuses the model's states after layers {", ".join(map(str, drafter.layers))} (Linear(3D->D)),
   a drafted token's is the layer's own output at its parent. Own final norm, the model's
   frozen lm_head over the draft vocabulary. Weights stored in float16.
-- Data: the base model's own greedy answers to {prompts} (prompts <= {args.prompt_len}
+- Data: {answers} to {prompts} (prompts <= {args.prompt_len}
   tokens, answers <= {args.new_tokens}).
 - Training: {report["steps"]} steps of {args.batch} sequences, training-time test over
   {args.ttt} steps, {args.rows} scored positions per sequence, cross-entropy to the model's

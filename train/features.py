@@ -18,7 +18,7 @@ from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.outputs import load_npz, save_npz
 
-from .selfdata import ANSWER_BATCH, PROMPTS, generate_answers
+from .selfdata import ANSWER_BATCH, PROMPTS, dataset_replies, generate_answers
 
 
 def conversation_ids(tokenizer, conversation: dict, max_len: int) -> list[int] | None:
@@ -140,6 +140,20 @@ def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tok
     reuse = [p for kind in kinds for p in _siblings(root, kind, split, prompt_len, new_tokens)]
     return generate_answers(model, sharegpt_split(split), n, path, prompt_len, new_tokens,
                             batch, reuse=reuse, turns=turns)  # fmt: skip
+
+
+def sharegpt_replies(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
+                     turns: str = "first") -> dict:  # fmt: skip
+    """The conversations' own replies to n `split` prompts (selfdata.dataset_replies), packed
+    as self_answers packs the model's, cached in `root`."""
+    path = root / f"sharegpt-{turns}-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    if path.is_file():
+        return load_npz(path)
+    eos = tuple(model.cfg.eos_token_ids)
+    data = dataset_replies(model.tokenizer, sharegpt_split(split), n, prompt_len, new_tokens,
+                           turns, eos)  # fmt: skip
+    save_npz(path, data)
+    return data
 
 
 def answer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,

@@ -9,6 +9,7 @@ ShareGPT package's train split holds ~7.5k first turns of <= 128 tokens; countin
 turn, ~15k prompts of <= 512 tokens and ~23k of <= 1024 (from a sample of 3000
 conversations). Batched generation; progress is saved after every batch and
 an interrupted run resumes; answers already cached for other prompt counts are reused.
+`dataset_replies` packs the conversations' own replies the same way (no generation).
 Every file is written whole or not at all; a damaged one is an error naming it.
 """
 
@@ -23,7 +24,7 @@ from tqdm import tqdm
 from jaxspec.data.sources import ROLES, first_user_turn
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.outputs import load_npz, save_npz
-from jaxspec.text import encode_conversation, encode_prompt
+from jaxspec.text import encode_conversation, encode_prompt, encode_reply
 
 ANSWER_BATCH = 32  # prompts answered at once
 
@@ -43,19 +44,28 @@ def first_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
     return prompts
 
 
+def _user_turns(conversation: dict):
+    """-> (messages up to a user turn [{"role", "content"}], the assistant's reply to it or
+    None) for each of the conversation's user turns in order, while they alternate."""
+    messages: list[dict[str, str]] = []
+    turns = conversation.get("conversations") or []
+    for i, turn in enumerate(turns):
+        role, text = ROLES.get(turn.get("from")), turn.get("value", "").strip()
+        if role is None or (not messages and role != "user"):
+            return
+        messages.append({"role": role, "content": text})
+        if role == "user" and text:
+            after = turns[i + 1] if i + 1 < len(turns) else {}
+            answered = ROLES.get(after.get("from")) == "assistant"
+            yield list(messages), (after.get("value", "").strip() if answered else "") or None
+
+
 def every_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
     """Token ids of the first n usable user turns, each with the conversation before it, of
     at most max_len tokens (a conversation's first turn: first_turn_prompts' ids)."""
     prompts = []
     for conversation in conversations:
-        messages = []
-        for turn in conversation.get("conversations") or []:
-            role, text = ROLES.get(turn.get("from")), turn.get("value", "").strip()
-            if role is None or (not messages and role != "user"):
-                break
-            messages.append({"role": role, "content": text})
-            if role != "user" or not text:
-                continue
+        for messages, _ in _user_turns(conversation):
             ids = encode_conversation(tokenizer, messages)
             if len(ids) > max_len:
                 break  # the turns after it are longer still
@@ -66,6 +76,26 @@ def every_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
 
 
 PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts}
+
+
+def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len: int,
+                    new_tokens: int, turns: str, eos: tuple[int, ...]) -> dict:  # fmt: skip
+    """The conversations' own assistant replies, packed as generate_answers packs the
+    model's: [prompt ; reply up to its first `eos` token] for the first n user turns of
+    `turns` prompts (a key of PROMPTS) that have a reply, replies cut at new_tokens."""
+    pairs = []
+    for conversation in conversations:
+        for messages, reply in _user_turns(conversation):
+            prompt = encode_conversation(tokenizer, messages)
+            if len(prompt) > prompt_len or (turns == "first" and len(messages) > 1):
+                break
+            ids = encode_reply(tokenizer, messages, reply) if reply else None
+            if ids:
+                ends = [i for i, t in enumerate(ids) if t in eos]
+                pairs.append((prompt, (ids[: ends[0] + 1] if ends else ids)[:new_tokens]))
+            if len(pairs) == n:
+                return _pack(pairs, prompt_len + new_tokens)
+    return _pack(pairs, prompt_len + new_tokens)
 
 
 def _pack(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> dict:
