@@ -24,7 +24,8 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]], chat: bool = 
 def encode_reply(tokenizer, messages: list[dict[str, str]], reply: str) -> list[int] | None:
     """The token ids an assistant `reply` to messages (ending with a user turn) adds after
     encode_conversation(messages): with a chat template, its rendering with the end of the
-    turn; None where the rendered conversation does not start with the prompt's ids."""
+    turn; without one, "\n" + reply (no end token); None where the rendered conversation
+    does not start with the prompt's ids."""
     prompt = encode_conversation(tokenizer, messages)
     turns = [*messages, {"role": "assistant", "content": reply}]
     if getattr(tokenizer, "chat_template", None):

@@ -239,8 +239,8 @@ def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
 
 def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tmp_path):
     """--answers sharegpt trains on the conversations' own replies, states live and no
-    answers generated; training further with --init keeps that drafter's draft vocabulary;
-    cached states are refused for such answers."""
+    answers generated; training further with --init --keep-vocab keeps that drafter's draft
+    vocabulary; cached states are refused for such answers."""
     import train.eagle as eagle
     from jaxspec.drafters.store import load_drafter
     from tests.conftest import tiny_training_args, train_on_made_up_conversations
@@ -249,17 +249,18 @@ def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tm
              "--answers", "sharegpt"]  # fmt: skip
     first = [*tiny_training_args(tiny_ckpt[0], tmp_path / "a"), *flags]
     further = [*tiny_training_args(tiny_ckpt[0], tmp_path / "b"), *flags, "--answers", "self",
-               "--init", str(tmp_path / "a" / "out")]  # fmt: skip
+               "--init", str(tmp_path / "a" / "out"), "--keep-vocab"]  # fmt: skip
     a, b = train_on_made_up_conversations(eagle, first, further)
     work = tmp_path / "a" / "work"
     assert list(work.rglob("sharegpt-first-train-8-p40-n24.npz"))
     assert not list(work.rglob("self-train-*.npz")) and not list(work.rglob("states-*-train-*"))
-    assert a["steps"] == 2 and not a["draft_vocab_kept"] and b["draft_vocab_kept"]
+    assert a["steps"] == 2 and b["steps"] == 2
     assert "the conversations' own (ChatGPT's) replies" in (tmp_path / "a/out/CARD.md").read_text()
+    assert "that of the drafter it started from" in (tmp_path / "b/out/CARD.md").read_text()
     model = jaxspec.load_model(tiny_ckpt[0], dtype="float32")
     vocabs = [load_drafter(tmp_path / run / "out", "eagle", model.cfg).data["draft_vocab"]
               for run in "ab"]  # fmt: skip
     np.testing.assert_array_equal(*vocabs)
-    with pytest.raises(SystemExit):
-        eagle.parse_args([*tiny_training_args(tiny_ckpt[0], tmp_path / "c"), *flags, "--states",
-                          "cached"])  # fmt: skip
+    for wrong in (["--states", "cached"], ["--keep-vocab"]):  # no --init to keep it from
+        with pytest.raises(SystemExit):
+            eagle.parse_args([*tiny_training_args(tiny_ckpt[0], tmp_path / "c"), *flags, *wrong])

@@ -8,7 +8,7 @@ import pytest
 
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.models import load_model
-from jaxspec.text import encode_conversation, encode_reply
+from jaxspec.text import encode_conversation
 from tests.test_medusa import conversations
 from train.features import answer_features, extract_sequences, layer_features
 from train.selfdata import (
@@ -194,12 +194,12 @@ def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generate
 
 def test_dataset_replies_follow_their_prompts(model):
     """dataset_replies: each user turn (the first, or every one) with the conversation's own
-    reply after it, cut at its end token and at new_tokens; a turn with no reply is left
-    out."""
+    reply after it, cut after its first end token and at new_tokens; a turn with no reply
+    is left out; n replies at most."""
     tok, eos = model.tokenizer, tuple(model.cfg.eos_token_ids)
-    long_reply = " ".join(["w10"] * 30)
-    chat = [{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7 w8"},
-            {"from": "human", "value": "w9"}, {"from": "gpt", "value": long_reply},
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    chat = [{"from": "human", "value": "w5 w6"}, {"from": "gpt", "value": "w7 </s> w8"},
+            {"from": "human", "value": "w9"}, {"from": "gpt", "value": " ".join(["w10"] * 30)},
             {"from": "human", "value": "w13"}]  # fmt: skip
     talks = [{"id": "a", "conversations": chat},
              {"id": "b", "conversations": [{"from": "human", "value": "w21"},
@@ -207,16 +207,16 @@ def test_dataset_replies_follow_their_prompts(model):
     every = dataset_replies(tok, talks, 10, 100, 6, "every", eos)
     first = dataset_replies(tok, talks, 10, 100, 6, "first", eos)
     prompts = every_turn_prompts(tok, talks, 10, 100)  # a's three turns, then b's
-    assert len(every["tokens"]) == 3 and len(first["tokens"]) == 2
+    assert every["tokens"].shape == (3, 106) and first["tokens"].shape == (2, 106)
     replies = []
     for n, prompt in enumerate(prompts[i] for i in (0, 1, 3)):
         start, end = every["starts"][n], every["lengths"][n]
         assert every["tokens"][n, :start].tolist() == prompt
         replies.append(every["tokens"][n, start:end].tolist())
-    messages = [{"role": "user", "content": "w5 w6"}]
-    whole = encode_reply(tok, messages, "w7 w8")
-    ends = [i for i, t in enumerate(whole) if t in eos]
-    assert replies[0] == whole[: ends[0] + 1 if ends else None][:6]
-    assert tok.decode(replies[0]).startswith("w7 w8")
-    assert len(replies[1]) == 6 and tok.decode(replies[1]).startswith("w10 w10")
-    assert first["tokens"][1].tolist() == every["tokens"][2].tolist()  # b's only turn
+    assert replies[0] == ids("w7 </s>")
+    assert replies[1] == ids("w10") * 6
+    assert replies[2][: len(ids("w22"))] == ids("w22")
+    assert first["tokens"].tolist() == every["tokens"][[0, 2]].tolist()
+    assert dataset_replies(tok, talks, 2, 100, 6, "every", eos)["tokens"].tolist() == (
+        every["tokens"][:2].tolist()
+    )

@@ -25,6 +25,7 @@ LATER_FLAGS = {
     "loss": "improved",
     "turns": "first",
     "answers": "self",
+    "keep_vocab": False,
 }
 
 

@@ -100,7 +100,14 @@ def parse_args(argv):
         help="the drafter guesses (and trains) among this many most frequent answer tokens "
         "(0: all)",
     )
+    p.add_argument(
+        "--keep-vocab",
+        action="store_true",
+        help="with --init: guess among that drafter's draft vocabulary (--guess-vocab unused)",
+    )
     args = parse(p, argv)
+    if args.keep_vocab and args.init is None:
+        p.error("--keep-vocab keeps the --init drafter's vocabulary: add --init DIR")
     if args.answers == "sharegpt" and args.states == "cached":
         p.error("--answers sharegpt computes states live: leave out --states cached")
     args.states = args.states or ("live" if args.answers == "sharegpt" else "cached")
@@ -180,14 +187,13 @@ def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
     return hits / total
 
 
-def kept_vocab(args, cfg) -> np.ndarray | None:
-    """The --init drafter's draft vocabulary when it has --guess-vocab tokens (end tokens
-    aside): training further keeps it, whatever answers the run counts tokens in."""
-    if args.init is None:
-        return None
+def kept_vocab(args, cfg) -> np.ndarray:
+    """The --init drafter's draft vocabulary (--keep-vocab)."""
     ids = load_drafter(args.init, "eagle", cfg).data.get("draft_vocab")
-    n = args.guess_vocab
-    return ids if ids is not None and n <= len(ids) <= n + len(cfg.eos_token_ids) else None
+    if ids is None:
+        raise JaxspecError(f"--keep-vocab: the drafter at {args.init} has no draft vocabulary; "
+                           "leave out --keep-vocab")  # fmt: skip
+    return ids
 
 
 class Eagle(Trainer):
@@ -222,12 +228,10 @@ class Eagle(Trainer):
             self.train_f = load("train", args.train_seqs, args.turns)
         self.test_f = load("test", args.test_seqs)
         self.vocab_ids = None
-        if args.guess_vocab:
-            eos = tuple(cfg.eos_token_ids)
-            ids = kept_vocab(args, cfg)
-            self.vocab_kept = ids is not None
-            if ids is None:
-                ids = frequent_tokens(self.train_f, args.guess_vocab, eos)
+        if args.keep_vocab:
+            self.vocab_ids = np.asarray(kept_vocab(args, cfg), np.int32)
+        elif args.guess_vocab:
+            ids = frequent_tokens(self.train_f, args.guess_vocab, tuple(cfg.eos_token_ids))
             self.vocab_ids = np.asarray(ids, np.int32)
         self.vocab = None if self.vocab_ids is None else draft_vocab(
             self.model.params, cfg, self.vocab_ids)  # fmt: skip
@@ -275,7 +279,6 @@ class Eagle(Trainer):
             "steps": int(state["step"]),
             **record,
             "draft_vocab_test_coverage": coverage,
-            "draft_vocab_kept": bool(self.vocab_ids is not None and self.vocab_kept),
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
         }
         params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), params)
@@ -303,14 +306,17 @@ def card(args, cfg, drafter, report) -> str:
         if args.answers == "self"
         else "the conversations' own (ChatGPT's) replies"
     )
-    counted = f"the training answers' {args.guess_vocab} most frequent tokens"
-    if report.get("draft_vocab_kept"):
-        counted = f"the drafter's it started from ({counted[4:]})"
     vocab = (
-        f"{counted}, covering {report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
+        f"the training answers' {args.guess_vocab} most frequent tokens, covering "
+        f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
         if args.guess_vocab
         else "the whole vocabulary"
     )
+    if args.keep_vocab:
+        vocab = (
+            "that of the drafter it started from, covering "
+            f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
+        )
     return f"""# EAGLE-class drafter for {cfg.name}
 
 - One decoder layer (initialised from the base model's last layer) on

@@ -15,7 +15,7 @@ Every file is written whole or not at all; a damaged one is an error naming it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from jaxspec.data.sources import ROLES, first_user_turn
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.errors import JaxspecError
 from jaxspec.outputs import load_npz, save_npz
 from jaxspec.text import encode_conversation, encode_prompt, encode_reply
 
@@ -44,9 +45,10 @@ def first_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
     return prompts
 
 
-def _user_turns(conversation: dict):
+def _user_turns(conversation: dict) -> Iterator[tuple[list[dict[str, str]], str | None]]:
     """-> (messages up to a user turn [{"role", "content"}], the assistant's reply to it or
-    None) for each of the conversation's user turns in order, while they alternate."""
+    None) for each of the conversation's non-empty user turns in order, up to a turn of
+    unknown role (none if it opens with another role)."""
     messages: list[dict[str, str]] = []
     turns = conversation.get("conversations") or []
     for i, turn in enumerate(turns):
@@ -80,9 +82,10 @@ PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts}
 
 def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len: int,
                     new_tokens: int, turns: str, eos: tuple[int, ...]) -> dict:  # fmt: skip
-    """The conversations' own assistant replies, packed as generate_answers packs the
-    model's: [prompt ; reply up to its first `eos` token] for the first n user turns of
-    `turns` prompts (a key of PROMPTS) that have a reply, replies cut at new_tokens."""
+    """The conversations' own replies, packed as generate_answers packs the model's:
+    [prompt ; reply up to its first `eos` token, at most new_tokens] for the first n user
+    turns of `turns` prompts (a key of PROMPTS) that have a reply (n counts replies, so the
+    prompts are not quite those generate_answers takes for the same n)."""
     pairs = []
     for conversation in conversations:
         for messages, reply in _user_turns(conversation):
@@ -91,10 +94,17 @@ def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len
                 break
             ids = encode_reply(tokenizer, messages, reply) if reply else None
             if ids:
-                ends = [i for i, t in enumerate(ids) if t in eos]
-                pairs.append((prompt, (ids[: ends[0] + 1] if ends else ids)[:new_tokens]))
+                end = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
+                pairs.append((prompt, ids[: min(end, new_tokens)]))
             if len(pairs) == n:
-                return _pack(pairs, prompt_len + new_tokens)
+                break
+        if len(pairs) == n:
+            break
+    if not pairs:
+        raise JaxspecError(
+            f"no {turns}-turn prompt of <= {prompt_len} tokens with a reply the chat template "
+            "renders after it: raise --prompt-len, or train on the model's own answers"
+        )
     return _pack(pairs, prompt_len + new_tokens)
 
 
