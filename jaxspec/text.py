@@ -15,24 +15,27 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]], chat: bool = 
         raise JaxspecError("empty prompt: pass some text to generate from")
     if tokenizer is None:
         raise JaxspecError("this checkpoint has no tokenizer; convert it from a folder with one")
+    return _encode(tokenizer, messages, chat, reply_next=True)
+
+
+def _encode(tokenizer, messages: list[dict[str, str]], chat: bool, reply_next: bool) -> list[int]:
+    """messages -> token ids: the chat template's rendering (with the assistant prompt after
+    it if reply_next) when `chat` and there is one, else the contents joined by newlines."""
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=reply_next
+        )
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
 
 
-def encode_reply(tokenizer, messages: list[dict[str, str]], reply: str) -> list[int] | None:
+def encode_reply(tokenizer, messages: list[dict[str, str]], prompt: list[int],
+                 reply: str) -> list[int] | None:  # fmt: skip
     """The token ids an assistant `reply` to messages (ending with a user turn) adds after
-    encode_conversation(messages): with a chat template, its rendering with the end of the
-    turn; without one, "\n" + reply (no end token); None where the rendered conversation
-    does not start with the prompt's ids."""
-    prompt = encode_conversation(tokenizer, messages)
-    turns = [*messages, {"role": "assistant", "content": reply}]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(turns, tokenize=False)
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
-    else:
-        ids = list(tokenizer.encode("\n".join(m["content"] for m in turns)))
+    their ids `prompt` (encode_conversation's): with a chat template, its rendering with
+    the end of the turn; without one, "\n" + reply (no end token); None where the rendered
+    conversation does not start with `prompt`."""
+    ids = _encode(tokenizer, [*messages, {"role": "assistant", "content": reply}], True, False)
     return ids[len(prompt) :] if ids[: len(prompt)] == prompt else None
 
 

@@ -306,17 +306,14 @@ def card(args, cfg, drafter, report) -> str:
         if args.answers == "self"
         else "the conversations' own (ChatGPT's) replies"
     )
-    vocab = (
-        f"the training answers' {args.guess_vocab} most frequent tokens, covering "
-        f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
-        if args.guess_vocab
-        else "the whole vocabulary"
-    )
+    share = report["draft_vocab_test_coverage"]  # None for the whole vocabulary
+    coverage = f"covering {share or 0:.1%} of the test answers' tokens"
     if args.keep_vocab:
-        vocab = (
-            "that of the drafter it started from, covering "
-            f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
-        )
+        vocab = f"that of the drafter it started from, {coverage}"
+    elif args.guess_vocab:
+        vocab = f"the training answers' {args.guess_vocab} most frequent tokens, {coverage}"
+    else:
+        vocab = "the whole vocabulary"
     return f"""# EAGLE-class drafter for {cfg.name}
 
 - One decoder layer (initialised from the base model's last layer) on

@@ -16,6 +16,7 @@ Every file is written whole or not at all; a damaged one is an error naming it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -86,26 +87,28 @@ def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len
     [prompt ; reply up to its first `eos` token, at most new_tokens] for the first n user
     turns of `turns` prompts (a key of PROMPTS) that have a reply (n counts replies, so the
     prompts are not quite those generate_answers takes for the same n)."""
-    pairs = []
-    for conversation in conversations:
-        for messages, reply in _user_turns(conversation):
-            prompt = encode_conversation(tokenizer, messages)
-            if len(prompt) > prompt_len or (turns == "first" and len(messages) > 1):
-                break
-            ids = encode_reply(tokenizer, messages, reply) if reply else None
-            if ids:
-                end = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
-                pairs.append((prompt, ids[: min(end, new_tokens)]))
-            if len(pairs) == n:
-                break
-        if len(pairs) == n:
-            break
+    pairs = list(islice(_reply_pairs(tokenizer, conversations, prompt_len, turns), n))
     if not pairs:
         raise JaxspecError(
             f"no {turns}-turn prompt of <= {prompt_len} tokens with a reply the chat template "
             "renders after it: raise --prompt-len, or train on the model's own answers"
         )
-    return _pack(pairs, prompt_len + new_tokens)
+    ends = [next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for _, r in pairs]
+    cut = [(p, r[: min(end, new_tokens)]) for (p, r), end in zip(pairs, ends, strict=True)]
+    return _pack(cut, prompt_len + new_tokens)
+
+
+def _reply_pairs(tokenizer, conversations: Iterable[dict], prompt_len: int, turns: str):
+    """-> (prompt ids, whole reply ids) of each `turns` prompt of <= prompt_len tokens with
+    a reply, in order."""
+    for conversation in conversations:
+        for messages, reply in _user_turns(conversation):
+            prompt = encode_conversation(tokenizer, messages)
+            if len(prompt) > prompt_len or (turns == "first" and len(messages) > 1):
+                break  # the turns after it are longer still (or not first)
+            ids = encode_reply(tokenizer, messages, prompt, reply) if reply else None
+            if ids:
+                yield prompt, ids
 
 
 def _pack(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> dict:
