@@ -163,7 +163,8 @@ def test_features_copy_the_last_layer_of_layer_states(model, tmp_path, monkeypat
 def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generated, monkeypatch):
     """turns "every": each user turn with the turns before it (a conversation's first turn
     gives first_turn_prompts' ids), stopping at the first one over prompt_len; answers to
-    prompts a first-turn cache holds are reused, not generated again."""
+    prompts a first-turn cache, or a cache made with another prompt bound, holds are reused,
+    not generated again."""
     import train.features as features
 
     tok = model.tokenizer
@@ -190,6 +191,19 @@ def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generate
     assert generated == [[got[1]]]  # only the new prompt was answered
     assert (tmp_path / "self-every-train-3-p40-n6.npz").is_file()
     assert sorted(data["starts"].tolist()) == sorted(len(p) for p in got)
+
+    generated.clear()  # a longer prompt bound reuses the shorter bound's answers
+    longer = features.self_answers(model, tmp_path, "train", 5, prompt_len=1000, new_tokens=6,
+                                   turns="every")  # fmt: skip
+    new_prompts = [p for p in every_turn_prompts(tok, talks, 5, 1000) if p not in got]
+    assert len(new_prompts) == 2 and sorted(sum(generated, [])) == sorted(new_prompts)
+    for prompt, answer in answers_by_prompt(data).items():
+        assert answers_by_prompt(longer)[prompt] == answer
+
+
+def answers_by_prompt(data: dict) -> dict:
+    rows = zip(data["tokens"], data["starts"], data["lengths"], strict=True)
+    return {tuple(row[:start].tolist()): row[start:end].tolist() for row, start, end in rows}
 
 
 def test_dataset_replies_follow_their_prompts(model):

@@ -116,8 +116,9 @@ def _field(done: dict, name: str) -> np.ndarray:
     return done[name]
 
 
-def _siblings(root: Path, prefix: str, split: str, prompt_len: int, new_tokens: int):
-    """Caches of the same kind, split and lengths for other prompt counts."""
+def _siblings(root: Path, prefix: str, split: str, prompt_len: int | str, new_tokens: int):
+    """Caches of the same kind, split and lengths for other prompt counts (prompt_len "*":
+    any prompt length)."""
     return sorted(root.glob(f"{prefix}-{split_tag(split)}-*-p{prompt_len}-n{new_tokens}.npz"))
 
 
@@ -131,13 +132,13 @@ def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tok
     """The base model's own greedy answers to n `split` prompts (train/selfdata.py; turns:
     which user turns are prompts), `batch` prompts at a time, cached in `root` (the model's
     training folder, shared by every drafter's trainer). Answers to the same prompts in
-    caches of either kind with the same lengths are reused."""
+    caches of either kind and any prompt length with the same new_tokens are reused."""
     name = answers_name(turns)
     path = root / f"{name}-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     if path.is_file():  # ShareGPT is not read
         return load_npz(path)
     kinds = [answers_name(kind) for kind in PROMPTS]
-    reuse = [p for kind in kinds for p in _siblings(root, kind, split, prompt_len, new_tokens)]
+    reuse = [p for kind in kinds for p in _siblings(root, kind, split, "*", new_tokens)]
     return generate_answers(model, sharegpt_split(split), n, path, prompt_len, new_tokens,
                             batch, reuse=reuse, turns=turns)  # fmt: skip
 
