@@ -234,3 +234,30 @@ def test_a_flag_added_later_keeps_older_runs_resumable(trainer, flag, other):
     assert run_name(args) == run_name(older)
     assert run_name(parse_args(other)) != run_name(args)
     assert run_name(parse_args(["--steps", "99"])) == run_name(args)  # more steps continue
+
+
+def test_a_card_names_the_whole_lineage_of_its_init(tmp_path):
+    """started_from: the --init drafter's command and, when that card says where it
+    started, that lineage too (its wrapped lines joined), so no earlier run is forgotten."""
+    from types import SimpleNamespace
+
+    from train.checkpoints import started_from
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    (first / "CARD.md").write_text("# card\n\n- Data: x\n- Command: `jaxspec-train a`\n")
+    (second / "CARD.md").write_text(
+        "# card\n\n- Started from the weights of the drafter then at `d` (top-1 0.5),\n"
+        "  which `jaxspec-train a` trained.\n- 800 steps in all.\n"
+        "- Command: `jaxspec-train b`\n"
+    )
+    assert started_from(SimpleNamespace(init=None)) == ""
+    assert started_from(SimpleNamespace(init=first)) == (
+        f"- Started from the weights of the drafter then at `{first}`, which `jaxspec-train a`"
+        " trained.\n"
+    )
+    assert started_from(SimpleNamespace(init=second)) == (
+        f"- Started from the weights of the drafter then at `{second}`, which `jaxspec-train b`"
+        " trained; that drafter started from the weights of the drafter then at `d` (top-1"
+        " 0.5), which `jaxspec-train a` trained.\n"
+    )

@@ -99,13 +99,17 @@ def initial_params(args, method: str, cfg, fresh):
 
 
 def started_from(args) -> str:
-    """A card line naming the drafter that --init started from and the command that trained
-    it (read from its card), or "" for a fresh start."""
+    """A card line naming the drafter that --init started from, the command that trained it
+    and where that one started (both read from its card), or "" for a fresh start."""
     if getattr(args, "init", None) is None:
         return ""
     card = Path(args.init) / "CARD.md"
-    found = re.search(r"^- Command: `([^`]*)`", card.read_text() if card.is_file() else "", re.M)
+    text = card.read_text() if card.is_file() else ""
+    found = re.search(r"^- Command: `([^`]*)`", text, re.M)
     how = f", which `{found.group(1)}` trained" if found else ""
+    earlier = re.search(r"^- Started from (.*?)\n(?=- |\n|\Z)", text, re.M | re.S)
+    if earlier:  # the lineage goes on: that drafter's own start, its lines joined
+        how += "; that drafter started from " + " ".join(earlier.group(1).split()).rstrip(".")
     return f"- Started from the weights of the drafter then at `{args.init}`{how}.\n"
 
 
