@@ -12,6 +12,7 @@ from jaxspec.text import encode_conversation
 from tests.test_medusa import conversations
 from train.features import answer_features, extract_sequences, layer_features
 from train.selfdata import (
+    answers_by_prompt,
     dataset_replies,
     every_turn_prompts,
     first_turn_prompts,
@@ -197,13 +198,9 @@ def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generate
                                    turns="every")  # fmt: skip
     new_prompts = [p for p in every_turn_prompts(tok, talks, 5, 1000) if p not in got]
     assert len(new_prompts) == 2 and sorted(sum(generated, [])) == sorted(new_prompts)
+    reused = answers_by_prompt(longer)
     for prompt, answer in answers_by_prompt(data).items():
-        assert answers_by_prompt(longer)[prompt] == answer
-
-
-def answers_by_prompt(data: dict) -> dict:
-    rows = zip(data["tokens"], data["starts"], data["lengths"], strict=True)
-    return {tuple(row[:start].tolist()): row[start:end].tolist() for row, start, end in rows}
+        assert reused[prompt] == answer
 
 
 def test_dataset_replies_follow_their_prompts(model):

@@ -306,14 +306,15 @@ def card(args, cfg, drafter, report) -> str:
         if args.answers == "self"
         else "the conversations' own (ChatGPT's) replies"
     )
-    share = report["draft_vocab_test_coverage"]  # None for the whole vocabulary
-    coverage = f"covering {share or 0:.1%} of the test answers' tokens"
-    if args.keep_vocab:
-        vocab = f"that of the drafter it started from, {coverage}"
-    elif args.guess_vocab:
-        vocab = f"the training answers' {args.guess_vocab} most frequent tokens, {coverage}"
-    else:
-        vocab = "the whole vocabulary"
+    vocab = "the whole vocabulary"
+    if args.keep_vocab or args.guess_vocab:
+        source = (
+            "that of the drafter it started from"
+            if args.keep_vocab
+            else f"the training answers' {args.guess_vocab} most frequent tokens"
+        )
+        share = report["draft_vocab_test_coverage"]
+        vocab = f"{source}, covering {share:.1%} of the test answers' tokens"
     return f"""# EAGLE-class drafter for {cfg.name}
 
 - One decoder layer (initialised from the base model's last layer) on

@@ -122,9 +122,8 @@ def _pack(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> dict:
     return {"tokens": tokens, "lengths": lengths, "starts": starts}
 
 
-def _answers_by_prompt(path: Path) -> dict[tuple[int, ...], list[int]]:
-    """{prompt ids: answer ids} of a packed answers file."""
-    data = load_npz(path)
+def answers_by_prompt(data: dict) -> dict[tuple[int, ...], list[int]]:
+    """{prompt ids: answer ids} of packed answers (a cache file's arrays)."""
     rows = zip(data["tokens"], data["starts"], data["lengths"], strict=True)
     return {tuple(row[:start].tolist()): row[start:end].tolist() for row, start, end in rows}
 
@@ -154,7 +153,7 @@ def generate_answers(
     known: dict[tuple[int, ...], list[int]] = {}
     for path in [*reuse, partial]:
         if Path(path).is_file():
-            known.update(_answers_by_prompt(path))
+            known.update(answers_by_prompt(load_npz(path)))
     answers = {p: known[p] for p in unique if p in known}
     missing = [p for p in unique if p not in answers]
     generator = SpeculativeGenerator(model.cfg, model.params)
