@@ -182,7 +182,7 @@ def trained_eagle(tiny_ckpt, tmp_path_factory):
               "--depth", "3", "--guess-vocab", "40", "--overwrite"]  # fmt: skip
     first, stopped, second = train_on_made_up_conversations(
         eagle,
-        [*common, "--steps", "4", "--answer-batch", "3"],
+        [*common, "--steps", "4", "--answer-batch", "3", "--eval-every", "2"],
         [*common, "--steps", "6", "--states", "live", "--max-minutes", "0.0001"],
         [*common, "--steps", "6", "--states", "live"],
     )
@@ -200,12 +200,19 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
     assert not list(work.rglob("states-*-self-train-*.npz"))[1:]  # live: no second cache
     assert first["final_loss_per_step"] != second["final_loss_per_step"]  # it trained on
     assert min(second["accepted_per_step"].values()) >= 1.0
-    acc = np.array(second["test_topk_accuracy"])
-    assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)
+    for split in ("test", "seen"):
+        acc = np.array(second[f"{split}_topk_accuracy"])
+        assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)
+    # 4 steps at lr 0.01 on 8 answers: the first 4 are remembered, the test ones not
+    assert first["seen_topk_accuracy"][0][0] > first["test_topk_accuracy"][0][0] + 0.05
+    assert [e["step"] for e in first["history"]] == [0, 2, 4]  # --eval-every 2, and the end
+    assert first["history"][-1]["seen"] == [row[0] for row in first["seen_topk_accuracy"]]
+    assert second["history"] == first["history"]  # kept in the run's record
     model = jaxspec.load_model(ckpt, dtype="float32")
     settings, _, data = load_drafter(out, "eagle", model.cfg)
     assert len(data["draft_vocab"]) <= 40 + len(model.cfg.eos_token_ids)
-    assert "# EAGLE-class drafter" in (out / "CARD.md").read_text()
+    card = (out / "CARD.md").read_text()
+    assert "# EAGLE-class drafter" in card and "| 4 | 0." in card  # the history table
     ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
     for tree in ("chain-2", "searched-8", "dynamic-8"):
         got = jaxspec.Generator(model, "eagle", drafter=out, tree=tree).generate(

@@ -17,6 +17,7 @@ from train.selfdata import (
     every_turn_prompts,
     first_turn_prompts,
     generate_answers,
+    later_turn_prompts,
 )
 
 SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
@@ -202,6 +203,19 @@ def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generate
     for prompt, answer in answers_by_prompt(data).items():
         assert reused[prompt] == answer
 
+    # turns "later": every turn but a conversation's first, answers reused from the above
+    everything, firsts = (
+        every_turn_prompts(tok, talks, 10, 1000),
+        first_turn_prompts(tok, talks, 10, 1000),
+    )
+    later = later_turn_prompts(tok, talks, 10, 1000)
+    assert later == [p for p in everything if p not in firsts] and len(later) == 3
+    generated.clear()
+    data = features.self_answers(model, tmp_path, "train", 3, prompt_len=1000, new_tokens=6,
+                                 turns="later")  # fmt: skip
+    assert generated == [] and (tmp_path / "self-later-train-3-p1000-n6.npz").is_file()
+    assert answers_by_prompt(data) == {tuple(p): reused[tuple(p)] for p in later}
+
 
 def test_dataset_replies_follow_their_prompts(model):
     """dataset_replies: each user turn (the first, or every one) with the conversation's own
@@ -228,6 +242,8 @@ def test_dataset_replies_follow_their_prompts(model):
     assert replies[1] == ids("w10") * 6
     assert replies[2][: len(ids("w22"))] == ids("w22")
     assert first["tokens"].tolist() == every["tokens"][[0, 2]].tolist()
+    later = dataset_replies(tok, talks, 10, 100, 6, "later", eos)  # w13 has no reply
+    assert later["tokens"].tolist() == every["tokens"][[1]].tolist()
     assert dataset_replies(tok, talks, 2, 100, 6, "every", eos)["tokens"].tolist() == (
         every["tokens"][:2].tolist()
     )

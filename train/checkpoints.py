@@ -35,7 +35,7 @@ def run_name(args) -> str:
     # Flags that do not change the weights (a mesh, states computed live: within float
     # tolerance; the answer batch: AR's tokens do not depend on the rows beside them).
     after_training = ("save_every", "out", "overwrite", "steps", "draft_vocab", "cache_prefill",
-                      "mesh", "states", "answer_batch", "max_minutes")  # fmt: skip
+                      "mesh", "states", "answer_batch", "max_minutes", "eval_every")  # fmt: skip
     flags = {
         k: v
         for k, v in vars(args).items()

@@ -15,8 +15,11 @@ states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training
    draft vocabulary (cross-entropy), step k weighted --decay**(k-1).
 3. Orbax checkpoints every --save-every steps; a rerun resumes.
 4. Evaluation on the test split: top-1..5 accuracy per step against the greedy token
-   (earlier path tokens the true ones), searched trees; the drafter and its card; its
-   accepted tokens per step (train/acceptance.py).
+   (earlier path tokens the true ones), searched trees; the same on as many of the training
+   answers ("seen": the gap to the test split is what the drafter memorised, not learned);
+   --eval-every N: top-1 on both before the first step and every N steps, kept in the
+   run's record; the drafter and its card; its accepted tokens per step
+   (train/acceptance.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from jaxspec.cli import nonnegative_int, positive_float, positive_int
 from jaxspec.drafters.eagle import (
@@ -44,10 +48,11 @@ from jaxspec.tree import searched_trees
 
 from . import skeleton
 from .args import parse, trainer_parser
-from .checkpoints import command_flags, started_from
+from .checkpoints import command_flags, run_record, started_from
 from .chimera import frequent_tokens, row_range, sample_rows, vocab_coverage
 from .features import (
     layer_features,
+    layer_states,
     live_states,
     self_answers,
     sharegpt_replies,
@@ -75,8 +80,9 @@ def parse_args(argv):
         "--turns",
         choices=tuple(PROMPTS),
         default="first",
-        help="training prompts: first user turns, or every user turn with the conversation "
-        "before it (more prompts; raise --prompt-len, e.g. 1024); the test split's stay first",
+        help="training prompts: first user turns, every user turn with the conversation "
+        "before it (more prompts; raise --prompt-len, e.g. 1024), or every turn but the first "
+        "(later: new prompts for a drafter trained on first turns); the test split's stay first",
     )
     p.add_argument(
         "--answers",
@@ -104,6 +110,13 @@ def parse_args(argv):
         "--keep-vocab",
         action="store_true",
         help="with --init: guess among that drafter's draft vocabulary (--guess-vocab unused)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=nonnegative_int,
+        default=0,
+        help="every N steps, top-1 per step on the test answers and on as many training "
+        "answers, printed and kept in the report (0: at the end only)",
     )
     args = parse(p, argv)
     if args.keep_vocab and args.init is None:
@@ -187,6 +200,25 @@ def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
     return hits / total
 
 
+def first_answers(model, data: dict, n: int, layers: tuple[int, ...], batch: int) -> dict:
+    """The first n sequences of a training set with what `evaluate` reads: their states
+    after `layers` (stored_layers) and the model's greedy tokens, sliced from a cache or
+    computed `batch` sequences at a time."""
+    part = {k: data[k][:n] for k in ("tokens", "lengths", "starts")}
+    if "states" in data:
+        return {**part, "states": data["states"][:n], "predicted": data["predicted"][:n],
+                "layers": data["layers"]}  # fmt: skip
+    states, predicted = [], []
+    for start in range(0, n, batch):
+        tokens = part["tokens"][start : start + batch]
+        padded = np.pad(tokens, ((0, batch - len(tokens)), (0, 0)))  # one shape
+        s, g = layer_states(model.params, jnp.asarray(padded), cfg=model.cfg, layers=layers)
+        states.append(np.asarray(s)[: len(tokens)])
+        predicted.append(np.asarray(g)[: len(tokens)])
+    return {**part, "states": np.concatenate(states), "predicted": np.concatenate(predicted),
+            "layers": np.asarray(layers, np.int32)}  # fmt: skip
+
+
 def kept_vocab(args, cfg) -> np.ndarray:
     """The --init drafter's draft vocabulary (--keep-vocab)."""
     ids = load_drafter(args.init, "eagle", cfg).data.get("draft_vocab")
@@ -236,12 +268,34 @@ class Eagle(Trainer):
         self.vocab = None if self.vocab_ids is None else draft_vocab(
             self.model.params, cfg, self.vocab_ids)  # fmt: skip
         self.weights = jnp.asarray(args.decay ** np.arange(args.ttt), jnp.float32)
+        n_seen = min(args.test_seqs, len(self.train_f["tokens"]))
+        self.seen_f = first_answers(self.model, self.train_f, n_seen, self.stored, args.batch)
+
+    def accuracy(self, params) -> dict[str, np.ndarray]:
+        """Top-1..5 per step [K,5] on the test answers and on the first training ones."""
+        scored = params if self.vocab is None else {**params, "vocab": self.vocab}
+        return {
+            split: evaluate(self.drafter, self.model.params, scored, data, self.args.ttt)
+            for split, data in (("test", self.test_f), ("seen", self.seen_f))
+        }
+
+    def log_accuracy(self, step: int, accuracy: dict) -> list[dict]:
+        """Top-1 per step at `step` into the run's record -> the record's history."""
+        entry = {split: [round(float(x), 4) for x in acc[:, 0]] for split, acc in accuracy.items()}
+        history = {e["step"]: e for e in run_record(self.work, self.args).get("history", [])}
+        history[step] = {"step": step, **entry}
+        history = [history[k] for k in sorted(history)]
+        run_record(self.work, self.args, {"history": history})
+        tqdm.write(f"step {step}: top-1 per step test {entry['test']}, seen {entry['seen']}")
+        return history
 
     def fresh(self):
         return self.drafter.init(self.model.params)
 
     def step(self, state, step):
         args = self.args
+        if args.eval_every and step == 0:  # where it starts (--init: the drafter's own)
+            self.log_accuracy(0, self.accuracy(state["params"]))
         rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
         seqs = rng.integers(0, len(self.train_f["tokens"]), args.batch)
         rows = sample_rows(self.train_f, seqs, args.rows, args.ttt, rng)
@@ -251,10 +305,13 @@ class Eagle(Trainer):
             fused3, last = fused_and_last(states, self.stored, self.drafter.layers)
         else:
             fused3, last = cached_fused_and_last(self.train_f, seqs, self.drafter.layers)
-        return train_step(
+        state, aux = train_step(
             state, self.model.params, tokens, fused3, last, jnp.asarray(rows), self.weights,
             self.vocab, drafter=self.drafter, optimizer=self.optimizer, steps=args.ttt,
         )  # fmt: skip
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            self.log_accuracy(step + 1, self.accuracy(state["params"]))
+        return state, aux
 
     def shown(self, aux):
         return {"loss": " ".join(f"{x:.2f}" for x in np.asarray(aux))}
@@ -265,8 +322,11 @@ class Eagle(Trainer):
             "final_loss_per_step": [round(float(x), 4) for x in np.asarray(aux)],
         })  # fmt: skip
         params = state["params"]
-        scored = params if self.vocab is None else {**params, "vocab": self.vocab}
-        accuracy = evaluate(self.drafter, self.model.params, scored, self.test_f, args.ttt)
+        both = self.accuracy(params)
+        accuracy = both["test"]
+        history = run_record(self.work, self.args).get("history", [])
+        if args.eval_every:
+            history = self.log_accuracy(int(state["step"]), both)
         settings = EagleSettings(
             layers=self.drafter.layers, depth=args.depth, trees=searched_trees(accuracy),
             cpu_tree="chain-1", gpu_tree="dynamic-64",
@@ -280,6 +340,9 @@ class Eagle(Trainer):
             **record,
             "draft_vocab_test_coverage": coverage,
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
+            "seen_topk_accuracy": [[round(float(x), 4) for x in row] for row in both["seen"]],
+            "seen_answers": len(self.seen_f["tokens"]),
+            "history": history,
         }
         params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), params)
         return Result(report, settings, params16, card(args, cfg, self.drafter, report),
@@ -295,12 +358,23 @@ def card(args, cfg, drafter, report) -> str:
         f"| {k + 1} | " + " | ".join(f"{x:.3f}" for x in acc) + " |"
         for k, acc in enumerate(report["test_topk_accuracy"])
     )
-    prompts = (
-        f"the first user turns of {args.train_seqs}\n  ShareGPT train-split conversations"
-        if args.turns == "first"
-        else f"{args.train_seqs} user turns of ShareGPT train-split conversations,\n  each "
-        "with the conversation before it"
-    )
+    seen = " / ".join(f"{acc[0]:.3f}" for acc in report["seen_topk_accuracy"])
+    history = ""
+    if report["history"]:
+        lines = "".join(
+            f"| {e['step']} | {' / '.join(f'{x:.3f}' for x in e['test'])} | "
+            f"{' / '.join(f'{x:.3f}' for x in e['seen'])} |\n"
+            for e in report["history"]
+        )
+        history = ("\nTop-1 per step during training (`--eval-every`):\n\n"
+                   f"| step | test | seen |\n|---|---|---|\n{lines}")  # fmt: skip
+    prompts = {
+        "first": f"the first user turns of {args.train_seqs}\n  ShareGPT train-split conversations",
+        "every": f"{args.train_seqs} user turns of ShareGPT train-split conversations,\n  each "
+        "with the conversation before it",
+        "later": f"{args.train_seqs} user turns after the first of ShareGPT train-split\n  "
+        "conversations, each with the conversation before it",
+    }[args.turns]
     answers = (
         "the base model's own greedy answers"
         if args.answers == "self"
@@ -339,7 +413,11 @@ base model's greedy tokens (earlier path tokens the true ones); step k = depth k
 | step | top-1 | top-2 | top-3 | top-4 | top-5 |
 |---|---|---|---|---|---|
 {rows}
-"""
+
+Top-1 per step on the first {report["seen_answers"]} training answers (seen in training):
+{seen}. Its margin over the test split's is what the drafter remembers of the answers it
+trained on rather than what carries over to new ones.
+{history}"""
 
 
 def main(argv=None) -> None:

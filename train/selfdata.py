@@ -4,7 +4,8 @@ Drafters guess what the model will write, and a small model writes very differen
 the ChatGPT answers in ShareGPT, so drafters train best on the model's own text (Medusa-2's
 self-distillation). Each record is [chat-templated prompt ; greedy answer]; `starts` marks
 where the answer begins. A prompt is a conversation's first user turn, or (turns "every")
-each of its user turns with the conversation before it, ChatGPT's answers as written: the
+each of its user turns with the conversation before it, ChatGPT's answers as written (turns
+"later": every turn but the first, the prompts a first-turn drafter has not seen): the
 ShareGPT package's train split holds ~7.5k first turns of <= 128 tokens; counting every
 turn, ~15k prompts of <= 512 tokens and ~23k of <= 1024 (from a sample of 3000
 conversations). Batched generation; progress is saved after every batch and
@@ -63,22 +64,31 @@ def _user_turns(conversation: dict) -> Iterator[tuple[list[dict[str, str]], str 
             yield list(messages), (after.get("value", "").strip() if answered else "") or None
 
 
-def every_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
-    """Token ids of the first n usable user turns, each with the conversation before it, of
-    at most max_len tokens (a conversation's first turn: first_turn_prompts' ids)."""
-    prompts = []
+def _turn_prompts(tokenizer, conversations: Iterable[dict], max_len: int, first: bool):
+    """-> token ids of each user turn with the conversation before it, of at most max_len
+    tokens, in order; `first`: a conversation's first turn too."""
     for conversation in conversations:
-        for messages, _ in _user_turns(conversation):
+        for i, (messages, _) in enumerate(_user_turns(conversation)):
             ids = encode_conversation(tokenizer, messages)
             if len(ids) > max_len:
                 break  # the turns after it are longer still
-            prompts.append(ids)
-            if len(prompts) == n:
-                return prompts
-    return prompts
+            if i or first:
+                yield ids
 
 
-PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts}
+def every_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
+    """Token ids of the first n usable user turns, each with the conversation before it, of
+    at most max_len tokens (a conversation's first turn: first_turn_prompts' ids)."""
+    return list(islice(_turn_prompts(tokenizer, conversations, max_len, first=True), n))
+
+
+def later_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
+    """every_turn_prompts without the conversations' first turns: prompts that a drafter
+    trained on first turns has not seen."""
+    return list(islice(_turn_prompts(tokenizer, conversations, max_len, first=False), n))
+
+
+PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts, "later": later_turn_prompts}
 
 
 def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len: int,
@@ -106,6 +116,8 @@ def _reply_pairs(tokenizer, conversations: Iterable[dict], prompt_len: int, turn
             prompt = encode_conversation(tokenizer, messages)
             if len(prompt) > prompt_len or (turns == "first" and len(messages) > 1):
                 break  # the turns after it are longer still (or not first)
+            if turns == "later" and len(messages) == 1:
+                continue
             ids = encode_reply(tokenizer, messages, prompt, reply) if reply else None
             if ids:
                 yield prompt, ids
