@@ -205,6 +205,7 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
         assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)
     # 4 steps at lr 0.01 on 8 answers: the first 4 are remembered, the test ones not
     assert first["seen_topk_accuracy"][0][0] > first["test_topk_accuracy"][0][0] + 0.05
+    assert first["draws_per_answer"] == 1.0 and second["draws_per_answer"] == 1.5  # 8 answers
     assert [e["step"] for e in first["history"]] == [0, 2, 4]  # --eval-every 2, and the end
     assert first["history"][-1]["seen"] == [row[0] for row in first["seen_topk_accuracy"]]
     assert second["history"] == first["history"]  # kept in the run's record

@@ -342,6 +342,9 @@ class Eagle(Trainer):
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
             "seen_topk_accuracy": [[round(float(x), 4) for x in row] for row in both["seen"]],
             "seen_answers": len(self.seen_f["tokens"]),
+            "draws_per_answer": round(
+                int(state["step"]) * args.batch / len(self.train_f["tokens"]), 2
+            ),
             "history": history,
         }
         params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), params)
@@ -414,9 +417,9 @@ base model's greedy tokens (earlier path tokens the true ones); step k = depth k
 |---|---|---|---|---|---|
 {rows}
 
-Top-1 per step on the first {report["seen_answers"]} training answers (seen in training):
-{seen}. Its margin over the test split's is what the drafter remembers of the answers it
-trained on rather than what carries over to new ones.
+Top-1 per step on the first {report["seen_answers"]} training answers (a training answer was
+drawn {report["draws_per_answer"]} times on average): {seen}. Its margin over the test split's
+is what the drafter remembers of the answers it trained on rather than what carries over.
 {history}"""
 
 
