@@ -52,11 +52,11 @@ from .checkpoints import command_flags, run_record, started_from
 from .chimera import frequent_tokens, row_range, sample_rows, vocab_coverage
 from .features import (
     layer_features,
-    layer_states,
     live_states,
     self_answers,
     sharegpt_replies,
     stored_layers,
+    with_states,
 )
 from .optim import apply_grads
 from .selfdata import PROMPTS
@@ -203,20 +203,11 @@ def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
 def first_answers(model, data: dict, n: int, layers: tuple[int, ...], batch: int) -> dict:
     """The first n sequences of a training set with what `evaluate` reads: their states
     after `layers` (stored_layers) and the model's greedy tokens, sliced from a cache or
-    computed `batch` sequences at a time."""
-    part = {k: data[k][:n] for k in ("tokens", "lengths", "starts")}
+    computed."""
     if "states" in data:
-        return {**part, "states": data["states"][:n], "predicted": data["predicted"][:n],
-                "layers": data["layers"]}  # fmt: skip
-    states, predicted = [], []
-    for start in range(0, n, batch):
-        tokens = part["tokens"][start : start + batch]
-        padded = np.pad(tokens, ((0, batch - len(tokens)), (0, 0)))  # one shape
-        s, g = layer_states(model.params, jnp.asarray(padded), cfg=model.cfg, layers=layers)
-        states.append(np.asarray(s)[: len(tokens)])
-        predicted.append(np.asarray(g)[: len(tokens)])
-    return {**part, "states": np.concatenate(states), "predicted": np.concatenate(predicted),
-            "layers": np.asarray(layers, np.int32)}  # fmt: skip
+        return {k: v if k == "layers" else v[:n] for k, v in data.items()}
+    return with_states(model, {k: data[k][:n] for k in ("tokens", "lengths", "starts")},
+                       layers, batch)  # fmt: skip
 
 
 def kept_vocab(args, cfg) -> np.ndarray:
@@ -324,7 +315,7 @@ class Eagle(Trainer):
         params = state["params"]
         both = self.accuracy(params)
         accuracy = both["test"]
-        history = run_record(self.work, self.args).get("history", [])
+        history = record.get("history", [])  # --eval-every's, of every invocation
         if args.eval_every:
             history = self.log_accuracy(int(state["step"]), both)
         settings = EagleSettings(

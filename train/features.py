@@ -198,6 +198,19 @@ def layer_states(params, tokens, *, cfg, layers):
     return _stacked(states, layers), predicted
 
 
+def with_states(model, data: dict, layers: tuple[int, ...], batch: int = 4) -> dict:
+    """Packed answers {"tokens" [N,T], ...} + what layer_features adds: "states" [N,T,L,D]
+    after `layers` (stored_layers), "layers", "predicted" [N,T]; not cached."""
+    tokens = data["tokens"]
+    states = np.zeros((*tokens.shape, len(layers), model.cfg.dim), np.float16)
+    predicted = np.zeros_like(tokens)
+    compute = partial(layer_states, model.params, cfg=model.cfg, layers=layers)
+    _compute_rows(compute, tokens, np.arange(len(tokens)), {"states": states,
+                  "predicted": predicted}, batch, "states")  # fmt: skip
+    return {**data, "states": states, "layers": np.asarray(layers, np.int32),
+            "predicted": predicted}  # fmt: skip
+
+
 def stored_layers(cfg, layers: tuple[int, ...]) -> tuple[int, ...]:
     """The layers whose states layer_features keeps: `layers` and the last one, in order."""
     return tuple(sorted(set(layers) | {cfg.n_layers}))

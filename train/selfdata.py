@@ -64,28 +64,29 @@ def _user_turns(conversation: dict) -> Iterator[tuple[list[dict[str, str]], str 
             yield list(messages), (after.get("value", "").strip() if answered else "") or None
 
 
-def _turn_prompts(tokenizer, conversations: Iterable[dict], max_len: int, first: bool):
-    """-> token ids of each user turn with the conversation before it, of at most max_len
-    tokens, in order; `first`: a conversation's first turn too."""
+def _turns(tokenizer, conversations: Iterable[dict], max_len: int, turns: str):
+    """-> (prompt ids, messages, the reply or None) of each `turns` user turn ("first",
+    "every" or "later": every one but a conversation's first) with the conversation before
+    it, of at most max_len tokens, in order."""
     for conversation in conversations:
-        for i, (messages, _) in enumerate(_user_turns(conversation)):
+        for i, (messages, reply) in enumerate(_user_turns(conversation)):
             ids = encode_conversation(tokenizer, messages)
-            if len(ids) > max_len:
-                break  # the turns after it are longer still
-            if i or first:
-                yield ids
+            if len(ids) > max_len or (turns == "first" and i):
+                break  # the turns after it are longer still (or not first)
+            if i or turns != "later":
+                yield ids, messages, reply
 
 
 def every_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
     """Token ids of the first n usable user turns, each with the conversation before it, of
     at most max_len tokens (a conversation's first turn: first_turn_prompts' ids)."""
-    return list(islice(_turn_prompts(tokenizer, conversations, max_len, first=True), n))
+    return [ids for ids, _, _ in islice(_turns(tokenizer, conversations, max_len, "every"), n)]
 
 
 def later_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
     """every_turn_prompts without the conversations' first turns: prompts that a drafter
     trained on first turns has not seen."""
-    return list(islice(_turn_prompts(tokenizer, conversations, max_len, first=False), n))
+    return [ids for ids, _, _ in islice(_turns(tokenizer, conversations, max_len, "later"), n)]
 
 
 PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts, "later": later_turn_prompts}
@@ -111,16 +112,10 @@ def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len
 def _reply_pairs(tokenizer, conversations: Iterable[dict], prompt_len: int, turns: str):
     """-> (prompt ids, whole reply ids) of each `turns` prompt of <= prompt_len tokens with
     a reply, in order."""
-    for conversation in conversations:
-        for messages, reply in _user_turns(conversation):
-            prompt = encode_conversation(tokenizer, messages)
-            if len(prompt) > prompt_len or (turns == "first" and len(messages) > 1):
-                break  # the turns after it are longer still (or not first)
-            if turns == "later" and len(messages) == 1:
-                continue
-            ids = encode_reply(tokenizer, messages, prompt, reply) if reply else None
-            if ids:
-                yield prompt, ids
+    for prompt, messages, reply in _turns(tokenizer, conversations, prompt_len, turns):
+        ids = encode_reply(tokenizer, messages, prompt, reply) if reply else None
+        if ids:
+            yield prompt, ids
 
 
 def _pack(pairs: list[tuple[list[int], list[int]]], seq_len: int) -> dict:
