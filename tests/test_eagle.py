@@ -59,13 +59,13 @@ def test_eagle_refuses_trees_beyond_its_depth(model, drafter_dir):
 
 
 def sequence_pass(drafter, params, dp, tokens):
-    """The model and the drafter's first step over a whole sequence [1,n] -> the layer's
-    outputs [1,n,D] (training_outputs' step 1)."""
+    """The model and the drafter's first step over whole sequences [B,n] -> the layer's
+    outputs [B,n,D] (training_outputs' step 1)."""
     cfg = drafter.cfg
-    n = tokens.shape[1]
-    positions = jnp.arange(n)[None]
+    B, n = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(n), (B, n))
     _, _, states = run_layers(params, cfg, embed(params, tokens), positions, None,
-                              causal_mask(1, n), collect=drafter.collect)  # fmt: skip
+                              causal_mask(B, n), collect=drafter.collect)  # fmt: skip
     features = shifted(drafter.fuse(dp, states))
     return training_outputs(drafter, params, dp, tokens, features, 1)[0], states
 
@@ -117,6 +117,26 @@ def test_training_time_test_is_drafting_along_the_true_path(model):
                                  feature, jnp.array([[depth]]), above, ks, vs)  # fmt: skip
         np.testing.assert_allclose(y[0, 0], outs[depth][0, p + depth], rtol=2e-4, atol=2e-4)
         feature, ks, vs = y, jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
+
+
+def test_training_window_is_the_whole_sequence_pass_there(model):
+    """The layer run on a window of each sequence (first [B], width W) gives the
+    whole-sequence outputs at every window position whose path lies inside it (step k:
+    from first+k-1 on): the prompt before the window enters as committed entries only."""
+    cfg, params = model.cfg, model.params
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    dp = trained_like(drafter, params, seed=3)
+    tokens = jnp.asarray([[5, 9, 7, 11, 5, 8, 30, 8, 9, 10, 12, 6],
+                          [8, 30, 8, 9, 5, 9, 7, 11, 14, 6, 5, 7]])  # fmt: skip
+    features = shifted(drafter.fuse(dp, sequence_pass(drafter, params, dp, tokens)[1]))
+    whole = training_outputs(drafter, params, dp, tokens, features, 3)
+    first, W = np.array([5, 2]), 6
+    window = training_outputs(drafter, params, dp, tokens, features, 3, jnp.asarray(first), W)
+    for k, (w, y) in enumerate(zip(window, whole, strict=True)):
+        assert w.shape == (2, W, cfg.dim)
+        for b in range(2):
+            np.testing.assert_allclose(w[b, k:], y[b, first[b] + k : first[b] + W],
+                                       rtol=2e-4, atol=2e-4)  # fmt: skip
 
 
 def test_dynamic_tree_is_the_n_best_of_all_scored(model):

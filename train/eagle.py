@@ -140,13 +140,23 @@ def cached_fused_and_last(features: dict, seqs, layers: tuple[int, ...]):
     return fused_and_last(features["states"][seqs], stored, layers)
 
 
-def step_logits(drafter, base, params, tokens, fused3, rows, steps):
-    """-> guess logits [B,R,K,V'] of each training-time-test step at rows [B,R]."""
+def step_logits(drafter, base, params, tokens, fused3, rows, steps, width):
+    """-> guess logits [B,R,K,V'] of each training-time-test step at rows [B,R]; the layer
+    runs on a window of `width` positions per sequence that ends at or after its last row
+    and starts steps-1 before its first (`window_width`)."""
     states = {n: fused3[:, :, i] for i, n in enumerate(drafter.layers)}
     features = shifted(drafter.fuse(params, states))
-    outputs = training_outputs(drafter, base, params, tokens, features, steps)
-    at = lambda y: jnp.take_along_axis(y, rows[..., None], axis=1)  # noqa: E731
+    first = jnp.clip(rows.min(1) - (steps - 1), 0, tokens.shape[1] - width)  # [B]
+    outputs = training_outputs(drafter, base, params, tokens, features, steps, first, width)
+    at = lambda y: jnp.take_along_axis(y, (rows - first[:, None])[..., None], axis=1)  # noqa: E731
     return jnp.stack([drafter.logits(base, params, at(y)) for y in outputs], axis=2)
+
+
+def window_width(data: dict, steps: int) -> int:
+    """The window step_logits needs for any rows of `data`'s answers (row_range): the
+    longest answer's rows and the steps-1 positions before them."""
+    spans = [np.subtract(*row_range(data, n, steps)[::-1]) for n in range(len(data["tokens"]))]
+    return min(int(max(spans)) + steps - 1, data["tokens"].shape[1])
 
 
 def teacher(base, cfg, last, rows, vocab):
@@ -158,14 +168,14 @@ def teacher(base, cfg, last, rows, vocab):
     return jax.nn.softmax(logits, -1)[:, :, None]
 
 
-@partial(jax.jit, static_argnames=("drafter", "optimizer", "steps"))
+@partial(jax.jit, static_argnames=("drafter", "optimizer", "steps", "width"))
 def train_step(state, base, tokens, fused3, last, rows, weights, vocab, *, drafter, optimizer,
-               steps):  # fmt: skip
+               steps, width):  # fmt: skip
     target = teacher(base, drafter.cfg, last, rows, vocab)
 
     def loss_fn(params):
         p = params if vocab is None else {**params, "vocab": vocab}
-        logits = step_logits(drafter, base, p, tokens, fused3, rows, steps)
+        logits = step_logits(drafter, base, p, tokens, fused3, rows, steps, width)
         losses = optax.softmax_cross_entropy(logits, target).mean((0, 1))  # [K]
         return (losses * weights).sum(), losses
 
@@ -173,10 +183,10 @@ def train_step(state, base, tokens, fused3, last, rows, weights, vocab, *, draft
     return apply_grads(state, grads, optimizer), losses
 
 
-@partial(jax.jit, static_argnames=("drafter", "steps"))
-def topk_hits(base, params, tokens, fused3, rows, labels, valid, *, drafter, steps):
+@partial(jax.jit, static_argnames=("drafter", "steps", "width"))
+def topk_hits(base, params, tokens, fused3, rows, labels, valid, *, drafter, steps, width):
     """-> [K,5] hits at top-1..5 per step, counting rows where valid [B,R]."""
-    logits = step_logits(drafter, base, params, tokens, fused3, rows, steps)
+    logits = step_logits(drafter, base, params, tokens, fused3, rows, steps, width)
     guesses = drafter.to_tokens(params, jax.lax.top_k(logits, 5)[1])
     hit = jnp.cumsum(guesses == labels[:, :, None, None], axis=-1) > 0
     return (hit & valid[:, :, None, None]).sum((0, 1))
@@ -185,16 +195,17 @@ def topk_hits(base, params, tokens, fused3, rows, labels, valid, *, drafter, ste
 def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
     """Top-1..5 accuracy per step [K,5] over every answer row of every test sequence."""
     hits, total = np.zeros((steps, 5)), 0
-    width = features["tokens"].shape[1]  # rows padded to one shape: one compilation
+    width = window_width(features, steps)
+    R = width - (steps - 1)  # rows padded to one shape: one compilation
     for n in range(len(features["tokens"])):
         low, high = row_range(features, n, steps)
-        rows = np.minimum(np.arange(low, low + width), high - 1)[None]
-        valid = jnp.asarray(np.arange(low, low + width) < high)[None]
+        rows = np.minimum(np.arange(low, low + R), high - 1)[None]
+        valid = jnp.asarray(np.arange(low, low + R) < high)[None]
         fused3, _ = cached_fused_and_last(features, np.array([n]), drafter.layers)
         labels = jnp.asarray(np.take_along_axis(features["predicted"][[n]], rows, 1))
         hits += np.asarray(topk_hits(
             base, params, jnp.asarray(features["tokens"][[n]]), fused3, jnp.asarray(rows),
-            labels, valid, drafter=drafter, steps=steps,
+            labels, valid, drafter=drafter, steps=steps, width=width,
         ))  # fmt: skip
         total += int(valid.sum())
     return hits / total
@@ -259,6 +270,7 @@ class Eagle(Trainer):
         self.vocab = None if self.vocab_ids is None else draft_vocab(
             self.model.params, cfg, self.vocab_ids)  # fmt: skip
         self.weights = jnp.asarray(args.decay ** np.arange(args.ttt), jnp.float32)
+        self.width = window_width(self.train_f, args.ttt)
         n_seen = min(args.test_seqs, len(self.train_f["tokens"]))
         self.seen_f = first_answers(self.model, self.train_f, n_seen, self.stored, args.batch)
 
@@ -299,6 +311,7 @@ class Eagle(Trainer):
         state, aux = train_step(
             state, self.model.params, tokens, fused3, last, jnp.asarray(rows), self.weights,
             self.vocab, drafter=self.drafter, optimizer=self.optimizer, steps=args.ttt,
+            width=self.width,
         )  # fmt: skip
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             self.log_accuracy(step + 1, self.accuracy(state["params"]))

@@ -41,7 +41,7 @@ from jaxspec.drafters.base import Drafter, DraftInputs
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import OutIn, dense, rms_norm, rope_tables
-from jaxspec.llama import decoder_layer, draft_vocab, embed, vocab_projection
+from jaxspec.llama import decoder_layer, draft_vocab, embed, layer_kv, vocab_projection
 from jaxspec.topology import Draft, Retrieved, expand_frontier, top_log_probs
 from jaxspec.tree import DynamicTree, TreeSpec
 
@@ -149,8 +149,9 @@ class EagleDrafter(Drafter):
         return dense(jnp.concatenate([e, f], -1), p["w"]) + p["b"]
 
     def block(self, drafter_params, x, positions, keys, values, mask):
-        """x [B,Q,D] at positions [B,Q], context keys/values [B,K,C,H] (or None), mask
-        [B,Q,C+Q] -> (outputs [B,Q,D], the entries' keys and values [B,K,Q,H])."""
+        """x [B,Q,D] at positions [B,Q], context keys/values [B,K,C,H] (a tuple of such
+        blocks, or None), mask [B,Q,C+Q] -> (outputs [B,Q,D], the entries' keys and values
+        [B,K,Q,H])."""
         return decoder_layer(
             self.cfg, drafter_params["layer"], x, *rope_tables(self.cfg, positions), keys,
             values, mask,
@@ -304,31 +305,45 @@ def shifted(fused: jax.Array) -> jax.Array:
 
 
 def training_outputs(drafter: EagleDrafter, base_params, dp, tokens, features, steps: int,
-                     positions=None) -> list[jax.Array]:  # fmt: skip
-    """Training-time test over whole sequences: tokens [B,n] at positions [B,n] (default
-    0..n-1), features [B,n,D] of their entries from the model's states (`shifted`) ->
-    `steps` layer outputs [B,n,D]. Step k's output at i is what drafting computes for the
-    depth-(k-1) node holding x_i when the root is x_{i-k+1} and the path's tokens are the
-    true ones: its feature is step k-1's output at i-1, and it attends to the committed
-    entries at positions 1..i-k+1 (step 1's) and the path's entries (step m's at i-k+m)."""
+                     first=None, width: int | None = None) -> list[jax.Array]:  # fmt: skip
+    """Training-time test over whole sequences: tokens [B,n] at positions 0..n-1, features
+    [B,n,D] of their entries from the model's states (`shifted`) -> `steps` layer outputs
+    [B,W,D] at the window of positions first..first+W-1 (first [B], default 0; W = `width`,
+    default n). Step k's output at i is what drafting computes for the depth-(k-1) node
+    holding x_i when the root is x_{i-k+1} and the path's tokens are the true ones: its
+    feature is step k-1's output at i-1, and it attends to the committed entries at
+    positions 1..i-k+1 (step 1's) and the path's entries (step m's at i-k+m).
+
+    Only the committed entries' keys and values are computed at every position; the block
+    runs on the window alone, so a long prompt before a short answer costs little. Step k's
+    outputs at the window's first k-1 positions lack their path (left of the window): valid
+    from first+k-1 on."""
     B, n = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(n), (B, n)) if positions is None else positions
-    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None]
-    entry = positions[:, None, :] >= 1  # [B,1,n] position 0 has no entry
-    keys, values, outputs = [], [], []
+    cfg, layer = drafter.cfg, dp["layer"]
+    W = n if width is None else width
+    first = jnp.zeros((B,), jnp.int32) if first is None else first
+    entries = drafter.entry_inputs(base_params, dp, tokens, features)  # step 1's [B,n,D]
+    normed = rms_norm(entries, layer["input_layernorm"], cfg.norm_eps)
+    every = jnp.broadcast_to(jnp.arange(n), (B, n))
+    committed_k, committed_v = layer_kv(cfg, layer, normed, *rope_tables(cfg, every))
+    positions = first[:, None] + jnp.arange(W)  # [B,W]
+    x = jnp.take_along_axis(entries, positions[..., None], axis=1)
+    tokens = jnp.take_along_axis(tokens, positions, axis=1)
+    i, j = positions[:, :, None], jnp.arange(n)[None, None]  # query, committed slot
+    iw, jw = jnp.arange(W)[:, None], jnp.arange(W)[None]  # window indices
+    keys, values, outputs = [committed_k], [committed_v], []
     for k in range(1, steps + 1):
-        x = drafter.entry_inputs(base_params, dp, tokens, features)
-        if k == 1:
-            mask = ((j <= i) & entry) | (j == i)
-            context_k = context_v = None
-        else:
-            committed = (j <= i - k + 1) & entry
-            path = [jnp.broadcast_to(j == i - k + m, (B, n, n)) for m in range(2, k)]
-            mask = jnp.concatenate([committed, *path, jnp.broadcast_to(j == i, (B, n, n))], -1)
-            context_k, context_v = jnp.concatenate(keys, 2), jnp.concatenate(values, 2)
-        y, kk, vv = drafter.block(dp, x, positions, context_k, context_v, mask)
-        keys.append(kk)
-        values.append(vv)
+        if k > 1:
+            x = drafter.entry_inputs(base_params, dp, tokens, shifted(outputs[-1]))
+        committed = (j <= i - k + 1) & (j >= 1)
+        if k == 1:  # its own entry is among the committed ones (position 0's only one)
+            committed = committed | (j == i)
+        path = [jnp.broadcast_to(jw == iw - k + m, (B, W, W)) for m in range(2, k)]
+        own = jnp.broadcast_to((iw == jw) & (k > 1), (B, W, W))
+        mask = jnp.concatenate([committed, *path, own], -1)
+        y, kk, vv = drafter.block(dp, x, positions, tuple(keys), tuple(values), mask)
+        if k > 1:
+            keys.append(kk)
+            values.append(vv)
         outputs.append(y)
-        features = shifted(y)
     return outputs
