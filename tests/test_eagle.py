@@ -19,7 +19,7 @@ from jaxspec.drafters.eagle import (
 )
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
-from jaxspec.llama import embed, run_layers
+from jaxspec.llama import compute_params, embed, plain_products, run_layers
 from tests.test_api import write_drafters
 
 PROMPTS = ["w5 w9 w7 w11", "w8 w30 w8"]
@@ -193,7 +193,8 @@ def test_eagle_settings_round_trip():
 def trained_eagle(tiny_ckpt, tmp_path_factory):
     """Train 4 steps (the answers made 3 prompts at a time), 'interrupt', resume with the
     states computed live (as on a GPU) and stop at once by --max-minutes (step 5, a drafter
-    written), resume again to 6: (drafter dir, reports, checkpoint, work)."""
+    written), resume again to 6 in plain products: (drafter dir, reports, checkpoint,
+    work)."""
     import train.eagle as eagle
     from tests.conftest import tiny_training_args, train_on_made_up_conversations
 
@@ -204,7 +205,7 @@ def trained_eagle(tiny_ckpt, tmp_path_factory):
         eagle,
         [*common, "--steps", "4", "--answer-batch", "3", "--eval-every", "2"],
         [*common, "--steps", "6", "--states", "live", "--max-minutes", "0.0001"],
-        [*common, "--steps", "6", "--states", "live"],
+        [*common, "--steps", "6", "--states", "live", "--live-products", "plain"],
     )
     assert stopped["steps"] == 5 and "test_topk_accuracy" in stopped  # a drafter all the same
     return tmp / "out", first, second, tiny_ckpt[0], tmp / "work"
@@ -244,7 +245,8 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
 
 def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
     """--states live feeds a training step what --states cached reads from disk: the
-    fused and last layers' states of the batch's sequences."""
+    fused and last layers' states of the batch's sequences (--live-products plain: within
+    bfloat16's rounding of them)."""
     from tests.test_medusa import conversations
     from train import features
     from train.eagle import cached_fused_and_last, fused_and_last
@@ -255,14 +257,18 @@ def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
     stored = features.stored_layers(model.cfg, layers)
     data = features.layer_features(model, tmp_path, "train", 6, 40, 24, layers, answer_batch=4)
     seqs = np.array([4, 1])
-    states = features.live_states(
-        model.params, jnp.asarray(data["tokens"][seqs]), cfg=model.cfg, layers=stored
-    )
+    tokens = jnp.asarray(data["tokens"][seqs])
+    states = features.live_states(model.params, tokens, cfg=model.cfg, layers=stored)
     live = fused_and_last(states, stored, layers)
     cached = cached_fused_and_last(data, seqs, layers)
-    for a, b in zip(live, cached, strict=True):
-        assert a.shape == b.shape
+    plain = plain_products(compute_params(model.params, "bfloat16"))  # --live-products plain
+    rounded = features.live_states(plain, tokens, cfg=model.cfg, layers=stored)
+    rounded = fused_and_last(rounded, stored, layers)
+    for a, b, c in zip(live, cached, rounded, strict=True):
+        assert a.shape == b.shape == c.shape
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)
+        error = np.abs(np.asarray(c) - np.asarray(b)).max() / np.abs(np.asarray(b)).max()
+        assert 0 < error < 0.05  # bfloat16 rounding, no more
 
 
 def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from functools import partial
 from types import SimpleNamespace
 
@@ -154,8 +155,9 @@ def chimera(tmp, monkeypatch, argv=()) -> dict:
     return programs
 
 
-def eagle(tmp, monkeypatch, states="cached") -> dict:
-    """states "live": the training answers' states made at every step (live_states)."""
+def eagle(tmp, monkeypatch, states="cached", products="exact") -> dict:
+    """states "live": the training answers' states made at every step (live_states), in
+    `products` (--live-products)."""
     programs = {}
     record(monkeypatch, programs, train.eagle, "live_states", stop=False)
     record(monkeypatch, programs, train.eagle, "train_step")
@@ -169,7 +171,8 @@ def eagle(tmp, monkeypatch, states="cached") -> dict:
 
     monkeypatch.setattr(train.eagle, "layer_features", layer_features)
     monkeypatch.setattr(train.eagle, "self_answers", lambda *args: made_up_answers())
-    argv = ["--ttt", "2", "--rows", "4", "--guess-vocab", "32", "--states", states]
+    argv = ["--ttt", "2", "--rows", "4", "--guess-vocab", "32", "--states", states,
+            *(["--live-products", products] if states == "live" else [])]  # fmt: skip
     trainer, manager, state = started(train.eagle, train.eagle.Eagle, argv, tmp)
     step(trainer, state)
     assert ("live_states" in programs) == (states == "live")
@@ -240,6 +243,7 @@ TRAINERS = {
     "sdsat": (sdsat, {"train_step", "span_hits"}),
     "eagle": (eagle, {"train_step", "topk_hits"}),
     "eagle-live": (partial(eagle, states="live"), {"live_states", "train_step"}),
+    "eagle-live-plain": (partial(eagle, states="live", products="plain"), {"live_states"}),
     "sdsat-full": (sdsat_full, {"full_step"}),
     "sdsat-full-basic": (partial(sdsat_full, loss="basic"), {"full_step"}),
     "ppd": (ppd, {"layer_states", "train_step", "match_hits"}),
@@ -262,6 +266,18 @@ def test_export_training_step(trainer, tmp_path, monkeypatch):
     programs = make(tmp_path, monkeypatch)
     assert names <= set(programs), f"{trainer} did not call {names - set(programs)}"
     exported_everywhere({name: programs[name] for name in names})
+
+
+def test_export_plain_live_states_multiply_in_bfloat16(tmp_path, monkeypatch):
+    """--live-products plain: the exported pass's products are bfloat16 ones, where the
+    exact pass of this float32 model has none."""
+    bf16_dot = re.compile(r"stablehlo\.dot_general[^\n]*tensor<[0-9x]*bf16>")
+    for products, expected in (("plain", True), ("exact", False)):
+        with monkeypatch.context() as patch:
+            programs = eagle(tmp_path / products, patch, states="live", products=products)
+        exported = exported_everywhere({"live_states": programs["live_states"]})
+        for program in exported["live_states"].values():
+            assert bool(bf16_dot.search(program.mlir_module())) == expected, products
 
 
 def test_export_training_feature_programs():

@@ -33,9 +33,11 @@ def run_name(args) -> str:
     """Checkpoints live per training setting: a rerun with the same flags resumes, a run
     with different ones starts fresh (more --steps continue the same run)."""
     # Flags that do not change the weights (a mesh, states computed live: within float
-    # tolerance; the answer batch: AR's tokens do not depend on the rows beside them).
+    # tolerance, in plain products within ~1%; the answer batch: AR's tokens do not depend
+    # on the rows beside them).
     after_training = ("save_every", "out", "overwrite", "steps", "draft_vocab", "cache_prefill",
-                      "mesh", "states", "answer_batch", "max_minutes", "eval_every")  # fmt: skip
+                      "mesh", "states", "live_products", "answer_batch", "max_minutes",
+                      "eval_every")  # fmt: skip
     flags = {
         k: v
         for k, v in vars(args).items()

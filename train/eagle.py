@@ -6,11 +6,13 @@ states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training
    generation) and its states after the fused layers and the last one at every
    position: cached beside them (--states cached, 1.5 MB a sequence at 135M), or computed
    from each batch's tokens at every step (--states live: on a GPU, for more answers
-   than a disk holds the states of; always for ShareGPT's replies). The targets are the
-   model's own distributions either way; the test split is always the model's answers.
-2. Each step takes --batch whole sequences; --ttt steps of the layer run over them, step k
-   feeding each position step k-1's output as its feature (`training_outputs`: the masks
-   drafting uses at depth k-1). At --rows answer positions per sequence every step's guess
+   than a disk holds the states of; always for ShareGPT's replies; --live-products plain:
+   in one bfloat16 pass per product). The targets are the model's own distributions
+   either way; the test split is always the model's answers, its states exact.
+2. Each step takes --batch whole sequences; --ttt steps of the layer run over each
+   answer's window (`training_outputs`: the masks drafting uses at depth k-1; the prompt
+   enters as committed entries), step k feeding each position step k-1's output as its
+   feature. At --rows answer positions per sequence every step's guess
    is scored against the base model's next-token distribution there, restricted to the
    draft vocabulary (cross-entropy), step k weighted --decay**(k-1).
 3. Orbax checkpoints every --save-every steps; a rerun resumes.
@@ -43,7 +45,7 @@ from jaxspec.drafters.eagle import (
 )
 from jaxspec.drafters.store import load_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.llama import draft_vocab, lm_logits
+from jaxspec.llama import compute_params, draft_vocab, lm_logits, plain_products
 from jaxspec.tree import searched_trees
 
 from . import skeleton
@@ -64,6 +66,7 @@ from .skeleton import Result, Trainer
 
 STATES = ("cached", "live")  # where the training answers' states come from
 ANSWERS = ("self", "sharegpt")  # whose answers the drafter trains on
+LIVE_PRODUCTS = ("exact", "plain")  # the frozen model's products for live states
 
 
 def parse_args(argv):
@@ -100,6 +103,14 @@ def parse_args(argv):
         "(live: a GPU, many answers; ShareGPT's replies)",
     )
     p.add_argument(
+        "--live-products",
+        choices=LIVE_PRODUCTS,
+        default="exact",
+        help="the frozen model's products for --states live: exact (as decoding computes), "
+        "or plain (one bfloat16 pass accumulated in float32: a faster pass, states within "
+        "~1%% of exact)",
+    )
+    p.add_argument(
         "--guess-vocab",
         type=nonnegative_int,
         default=8192,
@@ -124,6 +135,8 @@ def parse_args(argv):
     if args.answers == "sharegpt" and args.states == "cached":
         p.error("--answers sharegpt computes states live: leave out --states cached")
     args.states = args.states or ("live" if args.answers == "sharegpt" else "cached")
+    if args.live_products == "plain" and args.states == "cached":
+        p.error("--live-products plain is for states computed live: add --states live")
     return args
 
 
@@ -248,6 +261,9 @@ class Eagle(Trainer):
                                   answer_batch=args.answer_batch, turns=turns)  # fmt: skip
 
         self.stored = stored_layers(cfg, self.drafter.layers)
+        self.frozen = self.model.params  # what computes live states
+        if args.live_products == "plain":
+            self.frozen = plain_products(compute_params(self.model.params, "bfloat16"))
         if args.answers == "sharegpt":  # their states are made batch by batch
             self.train_f = sharegpt_replies(
                 self.model, self.shared, "train", args.train_seqs, args.prompt_len,
@@ -304,7 +320,7 @@ class Eagle(Trainer):
         rows = sample_rows(self.train_f, seqs, args.rows, args.ttt, rng)
         tokens = jnp.asarray(self.train_f["tokens"][seqs])
         if args.states == "live":
-            states = live_states(self.model.params, tokens, cfg=self.cfg, layers=self.stored)
+            states = live_states(self.frozen, tokens, cfg=self.cfg, layers=self.stored)
             fused3, last = fused_and_last(states, self.stored, self.drafter.layers)
         else:
             fused3, last = cached_fused_and_last(self.train_f, seqs, self.drafter.layers)
