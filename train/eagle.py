@@ -168,8 +168,8 @@ def step_logits(drafter, base, params, tokens, fused3, rows, steps, width):
 def window_width(data: dict, steps: int) -> int:
     """The window step_logits needs for any rows of `data`'s answers (row_range): the
     longest answer's rows and the steps-1 positions before them."""
-    spans = [np.subtract(*row_range(data, n, steps)[::-1]) for n in range(len(data["tokens"]))]
-    return min(int(max(spans)) + steps - 1, data["tokens"].shape[1])
+    ranges = [row_range(data, n, steps) for n in range(len(data["tokens"]))]
+    return min(max(high - low for low, high in ranges) + steps - 1, data["tokens"].shape[1])
 
 
 def teacher(base, cfg, last, rows, vocab):
