@@ -335,11 +335,9 @@ def training_outputs(drafter: EagleDrafter, base_params, dp, tokens, features, s
     for k in range(1, steps + 1):
         if k > 1:
             x = drafter.entry_inputs(base_params, dp, tokens, shifted(outputs[-1]))
-        committed = (j <= i - k + 1) & (j >= 1)
-        if k == 1:  # its own entry is among the committed ones (position 0's only one)
-            committed = committed | (j == i)
+        committed = (j >= 1) & (j <= i - k + 1) & (j != i)  # step 1's own entry: from `own`
         path = [jnp.broadcast_to(jw == iw - k + m, (B, W, W)) for m in range(2, k)]
-        own = jnp.broadcast_to((iw == jw) & (k > 1), (B, W, W))
+        own = jnp.broadcast_to(iw == jw, (B, W, W))
         mask = jnp.concatenate([committed, *path, own], -1)
         y, kk, vv = drafter.block(dp, x, positions, tuple(keys), tuple(values), mask)
         if k > 1:
