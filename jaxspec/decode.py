@@ -25,7 +25,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, DraftInputs, Entered, NoDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
-from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache
+from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache, prompt_reads
 from jaxspec.layers import EXACT_ROUNDING
 from jaxspec.llama import (
     embed,
@@ -49,9 +49,10 @@ from jaxspec.verify import (
 # Prompts longer than this are prefilled in chunks of this many tokens (one program per
 # chunk size, whatever the prompt's length): a one-shot prefill of T tokens holds a
 # [heads, T, T] float32 score tensor per layer, which a 32k prompt cannot fit anywhere.
-# Smaller chunks cost more (each attends over the whole cache buffer): per platform, for
-# the device campaign to tune (docs/design.md, Long prompts).
-PREFILL_CHUNK = {"cpu": 2048, "gpu": 2048, "tpu": 2048}
+# Per platform: on CPU 1024-token chunks prefill 2k-8k prompts fastest (BENCHMARKS.md,
+# "Long prompts read the cache in blocks"); GPU and TPU keep 2048 until the device
+# campaign's chunk rows say otherwise (docs/design.md, Long prompts).
+PREFILL_CHUNK = {"cpu": 1024, "gpu": 2048, "tpu": 2048}
 
 # Verify rows + drafter rows projected together up to this many rows per batch row: on
 # XLA:CPU a [rows, D] x [D, V] product costs about the same from 2 to ~16 rows and ~1.6x
@@ -175,7 +176,7 @@ def extend_prompt(params, drafter_params, cache, tokens, counts, following, stat
     B, C = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(C)
     _, block, states = run_layers(
-        params, cfg, embed(params, tokens), positions, cache, causal_mask(B, C),
+        params, cfg, embed(params, tokens), positions, prompt_reads(cache, C), causal_mask(B, C),
         collect=_collected_layers(drafter, cfg),
     )  # fmt: skip
     entered = Entered(tokens, cache.lengths, counts, states)
@@ -197,6 +198,7 @@ def prefill_and_draft(
     tokens follow the prompt part already in it (a long prompt's last chunk)."""
     B, P = tokens.shape
     start = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
+    cache = None if cache is None else prompt_reads(cache, P)
     positions = start[:, None] + jnp.arange(P)
     collect = _collected_layers(drafter, cfg)
     last = (lengths - 1)[:, None]  # [B,1]

@@ -24,6 +24,9 @@ class KVCache:
     keys: tuple[jax.Array, ...]  # L x [B,K,S,H]
     values: tuple[jax.Array, ...]  # L x [B,K,S,H]
     lengths: jax.Array  # [B] int32, committed tokens per row
+    # > 0: forwards read the committed slots this many at a time, only up to the longest
+    # row's length (a long prompt's chunks: `prompt_reads`); 0: the whole buffer, masked
+    read_block: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def max_len(self) -> int:
@@ -45,6 +48,12 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) ->
         return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
 
     return KVCache(keys=buffers(), values=buffers(), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def prompt_reads(cache: KVCache, block: int) -> KVCache:
+    """The cache as a long prompt's chunk reads it (layers.prefix_attention): `block` slots
+    at a time, as far as the prompt has come, whatever the buffer's size."""
+    return cache.replace(read_block=block)
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:

@@ -136,13 +136,30 @@ def swiglu_mlp(x: jax.Array, linear) -> jax.Array:
     return linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefixReads:
+    """What a long prompt's chunk sees, in place of a [B,T,S+T] mask: each row's committed
+    slots [0, lengths) (slot s holds position s) read `block` keys at a time, then the new
+    tokens as new_mask [B,T,T] says; with a sliding `window` (0: none) only keys within it
+    behind each query's position (positions [B,T])."""
+
+    lengths: jax.Array
+    new_mask: jax.Array
+    positions: jax.Array
+    window: int
+    block: int
+
+
 def attention(q, k_cache, v_cache, k_new, v_new, mask):
     """Grouped-query attention over [committed cache | new tokens], one softmax over both.
 
     q [B,T,N,H]; k/v_cache [B,K,S,H], a tuple of such blocks (their slots one after the
     other), or None (no context: a prefill); k/v_new [B,K,T,H]; mask [B,T,S+T] (True = may
-    attend) -> [B,T,N*H]. Query heads are grouped per kv head as rows q = (g, t).
+    attend), or PrefixReads (`prefix_attention`) -> [B,T,N*H]. Query heads are grouped per
+    kv head as rows q = (g, t).
     """
+    if isinstance(mask, PrefixReads):
+        return prefix_attention(q, k_cache, v_cache, k_new, v_new, mask)
     B, T, N, H = q.shape
     K = k_new.shape[1]
     G = N // K
@@ -173,3 +190,65 @@ def attention(q, k_cache, v_cache, k_new, v_new, mask):
         start += v.shape[2]
     out = out.astype(v_new.dtype)
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
+
+
+def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads):
+    """`attention` for a long prompt's chunk: the softmax over [committed slots | new
+    tokens] computed online (a running maximum, sum and weighted values), over the cache's
+    slots `reads.block` at a time and only as far as the longest row's length. Work and
+    memory follow the prompt so far, not the cache's size: no [B,N,T,S] scores, and a
+    32k-slot cache costs its first chunks no more than a short one. Equal to `attention`
+    up to float32 rounding (the sum is taken in another order).
+
+    q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H] -> [B,T,N*H]."""
+    B, T, N, H = q.shape
+    K, S = k_new.shape[1], k_cache.shape[2]
+    G, block = N // K, min(reads.block, S)
+    q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    low = jnp.finfo(jnp.float32).min
+
+    def sees_within_window(key_positions):  # [B,S'] -> [B,T,S']
+        if not reads.window:
+            return True
+        return key_positions[:, None, :] > reads.positions[:, :, None] - reads.window
+
+    def add(carry, k, v, sees):
+        """carry (max [B,K,G,T], sum [B,K,G,T], weighted values [B,K,G,T,H]) plus keys
+        and values [B,K,S',H] that each query sees where sees [B,T,S']."""
+        top, total, out = carry
+        scores = jnp.einsum(
+            "bkqh,bksh->bkqs", q, k, preferred_element_type=jnp.float32, precision=FLOAT32
+        ).reshape(B, K, G, T, -1) / math.sqrt(H)
+        sees = sees[:, None, None]
+        scores = jnp.where(sees, scores, low)
+        new_top = jnp.maximum(top, scores.max(-1))
+        weights = jnp.where(sees, jnp.exp(scores - new_top[..., None]), 0.0)  # [B,K,G,T,S']
+        rescale = jnp.exp(top - new_top)
+        weighted = jnp.einsum(
+            "bkqs,bksh->bkqh", weights.astype(v.dtype).reshape(B, K, G * T, -1), v,
+            preferred_element_type=jnp.float32, precision=FLOAT32,
+        ).reshape(B, K, G, T, H)  # fmt: skip
+        return new_top, total * rescale + weights.sum(-1), out * rescale[..., None] + weighted
+
+    def read_block(i, carry):
+        start = jnp.minimum(i * block, S - block)  # the last block may overlap the one before
+        k = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2)
+        slots = jnp.broadcast_to(start + jnp.arange(block), (B, block))
+        fresh = (slots >= i * block) & (slots < reads.lengths[:, None])  # [B,S']
+        return add(carry, k, v, fresh[:, None, :] & sees_within_window(slots))
+
+    carry = (
+        jnp.full((B, K, G, T), low, jnp.float32),
+        jnp.zeros((B, K, G, T), jnp.float32),
+        jnp.zeros((B, K, G, T, H), jnp.float32),
+    )
+    first = 0  # with a window, the blocks wholly behind every query's window are skipped
+    if reads.window:
+        first = jnp.maximum(reads.positions.min() - reads.window + 1, 0) // block
+    last = -(-reads.lengths.max() // block)
+    carry = jax.lax.fori_loop(first, last, read_block, carry)
+    carry = add(carry, k_new, v_new, reads.new_mask & sees_within_window(reads.positions))
+    _, total, out = carry
+    out = (out / total[..., None]).astype(v_new.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)

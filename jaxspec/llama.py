@@ -20,6 +20,7 @@ from jaxspec.kv_cache import KVBlock, KVCache, attention_mask
 from jaxspec.layers import (
     OutIn,
     PlainProducts,
+    PrefixReads,
     apply_rope,
     attention,
     dense,
@@ -155,12 +156,17 @@ def run_layers(
     context_mask [B,T,S+T']): T' uncommitted tokens right after each row's committed ones,
     read after the cache's slots (a prompt's forward, for chains computed after it). With a
     sliding window (Mistral), a token also sees only keys within the window behind it
-    (cache slot s holds position s).
+    (cache slot s holds position s). A cache with a `read_block` (a long prompt's chunk) is
+    read a block of slots at a time, only as far as its rows' lengths.
     """
     stop = cfg.n_layers if stop is None else stop
     cos, sin = rope_tables(cfg, positions)
     if cache is None:
         mask, keys_in, values_in = new_mask, [None] * cfg.n_layers, [None] * cfg.n_layers
+    elif context_mask is None and cache.read_block:
+        window = cfg.sliding_window or 0
+        mask = PrefixReads(cache.lengths, new_mask, positions, window, cache.read_block)
+        keys_in, values_in = cache.keys, cache.values
     elif context_mask is None:
         mask = attention_mask(cache.lengths, new_mask, cache.max_len)  # [B,T,S+T]
         keys_in, values_in = cache.keys, cache.values
@@ -170,7 +176,8 @@ def run_layers(
         if context_block is not None:
             keys_in = tuple(zip(keys_in, context_block.keys, strict=True))
             values_in = tuple(zip(values_in, context_block.values, strict=True))
-    if cfg.sliding_window:  # keys: the cache's slots (slot s holds position s), then the new
+    window_in_mask = cfg.sliding_window and not isinstance(mask, PrefixReads)  # else per block
+    if window_in_mask:  # keys: the cache's slots (slot s holds position s), then the new
         B, T = positions.shape
         # The widths from the mask: a context's keys may be None below the first layer run
         after = 0 if context_block is None else context_block.keys[start].shape[2]

@@ -37,7 +37,7 @@ from jaxspec.decode import PREFILL_CHUNK, checked_products, prefill_shape, promp
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import GenerationResult, cache_len
-from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache
+from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache, prompt_reads
 from jaxspec.layers import EXACT_ROUNDING, dense
 from jaxspec.llama import embed, lm_logits, plain_products, run_layers
 from jaxspec.mesh import check_divides, make_mesh, table_specs
@@ -160,6 +160,7 @@ def _prefill(params, tokens, length, cache=None, *, cfg):
     long prompt's last chunk) -> (the first new token [1], the tokens' KVBlock)."""
     B, P = tokens.shape
     positions = jnp.arange(P)[None] if cache is None else cache.lengths[:, None] + jnp.arange(P)
+    cache = None if cache is None else prompt_reads(cache, P)
     h, block, _ = run_layers(params, cfg, embed(params, tokens), positions, cache,
                              causal_mask(B, P))  # fmt: skip
     last = jnp.take_along_axis(h, (length - 1)[:, None, None], axis=1)
@@ -174,8 +175,8 @@ def _extend(params, cache, tokens, count, *, cfg):
     first count [1] real) after the cache's -> the cache with them committed."""
     C = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(C)
-    _, block, _ = run_layers(params, cfg, embed(params, tokens), positions, cache,
-                             causal_mask(1, C))  # fmt: skip
+    _, block, _ = run_layers(params, cfg, embed(params, tokens), positions,
+                             prompt_reads(cache, C), causal_mask(1, C))  # fmt: skip
     return commit(cache, block, count)
 
 

@@ -18,6 +18,7 @@ import pytest
 from infer.device_bench import main
 from jaxspec.config import preset
 from jaxspec.data.sources import Question
+from jaxspec.decode import PREFILL_CHUNK
 from jaxspec.device_bench import PARTS, end_to_end
 from jaxspec.device_bench.campaign import DTYPE, TimeCap, time_cap
 from jaxspec.device_bench.device import bandwidth
@@ -81,8 +82,14 @@ def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
         rows = parts[name]["rows"]
         assert rows[0]["nodes"] == 1 and rows[0]["over_ar_step"] == 1.0
         assert [r["nodes"] for r in rows] == sorted(r["nodes"] for r in rows) and len(rows) > 1
-    prefill = [(r["tokens"], r["products"]) for r in parts["prefill"]["rows"]]
-    assert prefill == [(n, how) for n in (32, 64, 128) for how in ("exact", "plain-prefill")]
+    prefill = [(r["tokens"], r["products"], r["chunk"]) for r in parts["prefill"]["rows"]]
+    chunk = PREFILL_CHUNK[jax.default_backend()]
+    one_shot = [(n, how, chunk) for n in (32, 64, 128) for how in ("exact", "plain-prefill")]
+    assert prefill == [*one_shot, (128, "exact", 16), (128, "exact", 64)]
+    first_tokens = {
+        r["first_token"] for r in parts["prefill"]["rows"][-4:] if r["products"] == "exact"
+    }
+    assert len(first_tokens) == 1  # 128 tokens one-shot, in chunks of 16 and of 64
     end_to_end = parts["default_model"]["rows"]
     spec = {(r["group"], r["row"]): r for r in end_to_end if r["set"] == "spec_bench"}
     assert {("default", "ar"), ("default", "medusa"), (SEARCHED, "ar")} <= set(spec)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +18,9 @@ from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaSettings
 from jaxspec.drafters.sdsat import SdsatSettings
 from jaxspec.errors import JaxspecError
-from jaxspec.llama import init_params
+from jaxspec.kv_cache import attention_mask, causal_mask
+from jaxspec.layers import PrefixReads, attention
+from jaxspec.llama import init_params, within_window
 from jaxspec.methods import make_drafter
 from jaxspec.tree import tree_preset
 
@@ -108,3 +111,70 @@ def test_default_model_prefills_8k_tokens_in_chunks():
     assert len(long.token_ids) == 8 and gen.shapes(len(text), 8)[:2] == (True, 512)
     one_shot = SpeculativeGenerator(model.cfg, model.params, prefill_chunk=2048)
     assert gen.generate(text[:600], 16).token_ids == one_shot.generate(text[:600], 16).token_ids
+
+
+def _attention_inputs(S: int, T: int, lengths, seed=0):
+    """Random q [B,T,N,H], cache keys/values [B,K,S,H], new keys/values [B,K,T,H] (B 2,
+    N 4, K 2, H 8); the new tokens at positions lengths + t, causal among themselves."""
+    rng = np.random.default_rng(seed)
+    B, N, K, H = 2, 4, 2, 8
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    lengths = jnp.asarray(lengths, jnp.int32)
+    positions = lengths[:, None] + jnp.arange(T)
+    args = (normal(B, T, N, H), normal(B, K, S, H), normal(B, K, S, H), normal(B, K, T, H),
+            normal(B, K, T, H))  # fmt: skip
+    return args, lengths, positions, causal_mask(B, T)
+
+
+@pytest.mark.parametrize("window", [0, 20])
+def test_prefix_attention_equals_the_masked_softmax(window):
+    """Blocks of 16 over a 60-slot cache (the last block overlaps the one before it), rows
+    of 7 and 53 committed slots, with and without a sliding window: the masked one-softmax
+    attention's output to float32 rounding."""
+    args, lengths, positions, causal = _attention_inputs(60, 5, [7, 53])
+    mask = attention_mask(lengths, causal, 60)
+    if window:
+        key_positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(60), (2, 60)), positions], 1)
+        mask &= within_window(positions, key_positions, window)
+    want = attention(*args, mask)
+    got = attention(*args, PrefixReads(lengths, causal, positions, window, 16))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [0, 12])
+def test_prefix_attention_reads_only_the_prompt_so_far(window):
+    """NaN in the cache's slots from 32 on (past both rows' 30 committed ones) and, with a
+    window of 12, in slots 0-15 (queries at 30-33 see slots > 18 only): blocks of 16 wholly
+    past the longest row, or behind every query's window, are never read. The masked
+    softmax over the whole buffer reads them (NaN)."""
+    (q, k, v, k_new, v_new), lengths, positions, causal = _attention_inputs(64, 4, [30, 30])
+    k, v = k.at[:, :, 32:].set(jnp.nan), v.at[:, :, 32:].set(jnp.nan)
+    if window:
+        k, v = k.at[:, :, :16].set(jnp.nan), v.at[:, :, :16].set(jnp.nan)
+    got = attention(q, k, v, k_new, v_new, PrefixReads(lengths, causal, positions, window, 16))
+    assert np.isfinite(got).all()
+    assert not np.isfinite(
+        attention(q, k, v, k_new, v_new, attention_mask(lengths, causal, 64))
+    ).all()
+
+
+def test_prefix_attention_memory_does_not_grow_with_the_cache():
+    """XLA's plan for a 32-token chunk against 512 and 8192 cache slots: the same scratch
+    memory (the masked softmax's [B,N,T,S] scores grow 16x)."""
+
+    def scratch(S: int, blocked: bool) -> int:
+        args, lengths, positions, causal = _attention_inputs(S, 32, [40, 100])
+        reads = PrefixReads(lengths, causal, positions, 0, 32)
+
+        def run(q, k, v, k_new, v_new, lengths):
+            mask = attention_mask(lengths, causal, S)
+            return attention(q, k, v, k_new, v_new, reads if blocked else mask)
+
+        compiled = jax.jit(run).lower(*args, lengths).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert scratch(8192, True) == scratch(512, True)
+    assert scratch(8192, False) > 8 * scratch(512, False)

@@ -6,7 +6,8 @@ measured on one yet, written to one JSON file and its markdown beside it:
   and 8, ms per token against the memory-bandwidth floor of the device found;
 - verify: the verify step over trees of 1/2/4/8/16/32/64 nodes at the same shapes, each
   over the AR step;
-- prefill: prompts of 2k/8k/32k tokens (a size that does not fit: a skipped row);
+- prefill: prompts of 2k/8k/32k tokens (a size that does not fit: a skipped row), then
+  the 8k one in 1024- and 4096-token chunks (which chunk size the platform should take);
 - default_model: the default model, every method with its shipped drafter at its default
   tree and at its searched 32-node tree, on 20 Spec-Bench questions and 10 HumanEval
   problems, bfloat16: tokens/s, speedup over AR, mean accepted tokens, match_ar;

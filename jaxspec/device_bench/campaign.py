@@ -45,6 +45,7 @@ class Sizes:
     context: int  # tokens in the cache before the timed steps
     steps: int  # timed steps per row
     prefill: tuple[int, ...]  # prompt lengths
+    prefill_chunks: tuple[int, tuple[int, ...]]  # one of them in other chunk sizes
     spec_bench: int  # questions
     humaneval: int  # problems
     humaneval_groups: tuple[str, ...]  # end_to_end.GROUPS run on them (none: AR alone)
@@ -64,6 +65,7 @@ DEVICE = Sizes(
     context=512,
     steps=48,
     prefill=(2048, 8192, 32768),
+    prefill_chunks=(8192, (1024, 4096)),  # beside decode.PREFILL_CHUNK's 2048
     spec_bench=20,
     humaneval=10,
     humaneval_groups=end_to_end.GROUPS[:2],
@@ -81,6 +83,7 @@ DRY = Sizes(
     context=32,
     steps=4,
     prefill=(32, 64, 128),
+    prefill_chunks=(128, (16, 64)),  # the chunked path, one-shot above
     spec_bench=3,
     humaneval=1,
     humaneval_groups=(),
@@ -275,7 +278,7 @@ class Campaign:
             how="SpeculativeGenerator.generate(prompt, 1): prefill and commit, "
             "the fastest of 2 warm runs",
         )
-        shapes.prefill_rows(add, s.model, self.params(), s.prefill)
+        shapes.prefill_rows(add, s.model, self.params(), s.prefill, chunks=s.prefill_chunks)
 
     def _default_model(self, record: dict, add) -> None:
         self._params = None  # the model-shape weights are done with: free the device

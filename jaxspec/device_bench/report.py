@@ -33,6 +33,7 @@ COLUMNS = {
     "prefill": [
         ("tokens", "prompt tokens", "{}"),
         ("products", "products", "{}"),
+        ("chunk", "chunk", "{}"),
         ("ms", "ms", "{:.1f}"),
         ("tokens_per_s", "tokens/s", "{:.0f}"),
     ],

@@ -20,7 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import LlamaConfig
-from jaxspec.decode import SpeculativeGenerator, available_bytes, speculative_step
+from jaxspec.decode import (
+    SpeculativeGenerator,
+    available_bytes,
+    default_products,
+    speculative_step,
+)
 from jaxspec.device_bench.device import floor_ms
 from jaxspec.drafters.base import NoDrafter
 from jaxspec.drafters.medusa import MedusaDrafter
@@ -186,34 +191,45 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def prefill_rows(add: Add, cfg, params, sizes, products=("exact", "plain-prefill"),
-                 repeats: int = 2) -> None:  # fmt: skip
+                 chunks=None, repeats: int = 2) -> None:  # fmt: skip
     """Prefill of a prompt of each size through `SpeculativeGenerator.generate` (one new
     token: the prefill and its commit, chunked as the generator chunks long prompts), with
     each way of multiplying bfloat16 weights (decode.PRODUCTS); the fastest of `repeats`
-    warm runs. A size that does not fit in memory is a skipped row, and so is every larger
-    one."""
+    warm runs. Then chunks = (a size, chunk sizes): that prompt in each chunk size, with
+    the backend's default products (which chunk this platform should take). A size that
+    does not fit in memory is a skipped row, and so is every larger one."""
     rng = np.random.default_rng(0)
+    prompts = {n: rng.integers(0, cfg.vocab_size, n).tolist() for n in sorted(sizes)}
     too_big = None
-    for n in sorted(sizes):
-        prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+    for n, prompt in prompts.items():
         for how in products:
-            if too_big is not None:
+            if too_big is None:
+                too_big = _prefill_row(add, cfg, params, prompt, how, None, repeats)
+            else:
                 add({"tokens": n, "products": how,
                      "skipped": f"a {too_big}-token prompt did not fit already"})  # fmt: skip
-                continue
-            generator = SpeculativeGenerator(cfg, params, max_len=n + 8, products=how)
-            try:
-                runs = [generator.generate(prompt, 1) for _ in range(repeats)]
-            except Exception as e:  # noqa: BLE001 - out of memory is a result, anything else not
-                if not is_out_of_memory(e):
-                    raise
-                too_big = n
-                add({"tokens": n, "products": how,
-                     "skipped": "out of memory: " + " ".join(str(e).split())[:240]})  # fmt: skip
-                continue
-            finally:
-                del generator
-            ms = min(r.prefill_s for r in runs) * 1e3
-            add({"tokens": n, "products": how, "ms": ms, "tokens_per_s": n / ms * 1e3,
-                 "first_s": runs[0].compile_s + runs[0].prefill_s,
-                 "first_token": runs[0].token_ids[0]})  # fmt: skip
+    n, chunk_sizes = chunks or (None, ())
+    for chunk in chunk_sizes if too_big is None or n < too_big else ():
+        _prefill_row(add, cfg, params, prompts[n], default_products(), chunk, repeats)
+
+
+def _prefill_row(add: Add, cfg, params, prompt, how: str, chunk: int | None, repeats: int):
+    """One prefill row (chunk None: the generator's default) -> None, or the prompt's
+    length when it did not fit (the row says so)."""
+    n = len(prompt)
+    generator = SpeculativeGenerator(cfg, params, max_len=n + 8, products=how, prefill_chunk=chunk)
+    row = {"tokens": n, "products": how, "chunk": generator.prefill_chunk}
+    try:
+        runs = [generator.generate(prompt, 1) for _ in range(repeats)]
+    except Exception as e:  # noqa: BLE001 - out of memory is a result, anything else not
+        if not is_out_of_memory(e):
+            raise
+        add({**row, "skipped": "out of memory: " + " ".join(str(e).split())[:240]})
+        return n
+    finally:
+        del generator
+    ms = min(r.prefill_s for r in runs) * 1e3
+    add({**row, "ms": ms, "tokens_per_s": n / ms * 1e3,
+         "first_s": runs[0].compile_s + runs[0].prefill_s,
+         "first_token": runs[0].token_ids[0]})  # fmt: skip
+    return None
