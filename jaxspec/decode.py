@@ -60,10 +60,11 @@ PREFILL_CHUNK = {"cpu": 1024, "gpu": 2048, "tpu": 2048}
 FUSED_ROWS = 32
 
 # How bfloat16 weights multiply (layers.dense): "exact" everywhere (float32-accurate, so a
-# verify step's rows agree with AR's to float32 rounding); one bfloat16 pass in the prefill
-# only ("plain-prefill": every method computes the prompt's rows exactly as AR's prefill
-# does, so match_ar holds), or everywhere ("plain": whether greedy outputs still match AR
-# is for the device campaign to measure).
+# verify step's rows agree with AR's to float32 rounding); one bfloat16 pass, the
+# attention's products included (layers.attention_product), in the prefill only
+# ("plain-prefill": every method computes the prompt's rows exactly as AR's prefill does,
+# so match_ar holds), or everywhere ("plain": whether greedy outputs still match AR is for
+# the device campaign to measure).
 PRODUCTS = ("exact", "plain-prefill", "plain")
 # The default by backend: plain-prefill where the device campaign measured it faster with
 # the same tokens (a GPU: BENCHMARKS.md, the first GPU run); exact elsewhere (TPU unmeasured).

@@ -99,7 +99,9 @@ class PlainProducts:
     """A bfloat16 linear weight (an array [in,out] or an OutIn) that `dense` multiplies in
     one bfloat16 x bfloat16 pass accumulated in float32 instead of split_bfloat16's three:
     fewer products where they are the bottleneck (a long prefill on an accelerator), but x
-    rounded to bfloat16, and a row's result may depend on the rows computed with it."""
+    rounded to bfloat16, and a row's result may depend on the rows computed with it. A
+    layer whose weights are PlainProducts multiplies its attention in one pass too
+    (`attention_product`)."""
 
     w: jax.Array | OutIn
 
@@ -150,16 +152,26 @@ class PrefixReads:
     block: int
 
 
-def attention(q, k_cache, v_cache, k_new, v_new, mask):
+def attention_product(spec: str, a: jax.Array, b: jax.Array, plain: bool) -> jax.Array:
+    """einsum(spec, a, b) -> float32: in true float32, or (plain: the layer's weights are
+    PlainProducts) in one bfloat16 x bfloat16 pass accumulated in float32, as its linear
+    maps multiply (a long prefill's attention on an accelerator, not float32's slow path)."""
+    if plain:
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=FLOAT32)
+
+
+def attention(q, k_cache, v_cache, k_new, v_new, mask, plain: bool = False):
     """Grouped-query attention over [committed cache | new tokens], one softmax over both.
 
     q [B,T,N,H]; k/v_cache [B,K,S,H], a tuple of such blocks (their slots one after the
     other), or None (no context: a prefill); k/v_new [B,K,T,H]; mask [B,T,S+T] (True = may
     attend), or PrefixReads (`prefix_attention`) -> [B,T,N*H]. Query heads are grouped per
-    kv head as rows q = (g, t).
+    kv head as rows q = (g, t). plain: products as `attention_product` says.
     """
     if isinstance(mask, PrefixReads):
-        return prefix_attention(q, k_cache, v_cache, k_new, v_new, mask)
+        return prefix_attention(q, k_cache, v_cache, k_new, v_new, mask, plain)
     B, T, N, H = q.shape
     K = k_new.shape[1]
     G = N // K
@@ -171,12 +183,7 @@ def attention(q, k_cache, v_cache, k_new, v_new, mask):
         blocks = [(k_cache, v_cache), (k_new, v_new)]
     q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     scores = jnp.concatenate(
-        [
-            jnp.einsum(
-                "bkqh,bksh->bkqs", q, k, preferred_element_type=jnp.float32, precision=FLOAT32
-            )
-            for k, _ in blocks
-        ],
+        [attention_product("bkqh,bksh->bkqs", q, k, plain) for k, _ in blocks],
         axis=-1,
     ).reshape(B, K, G, T, -1) / math.sqrt(H)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -184,15 +191,13 @@ def attention(q, k_cache, v_cache, k_new, v_new, mask):
     out, start = 0.0, 0
     for _, v in blocks:
         part = probs[..., start : start + v.shape[2]]
-        out = out + jnp.einsum(
-            "bkqs,bksh->bkqh", part, v, preferred_element_type=jnp.float32, precision=FLOAT32
-        )
+        out = out + attention_product("bkqs,bksh->bkqh", part, v, plain)
         start += v.shape[2]
     out = out.astype(v_new.dtype)
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
 
 
-def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads):
+def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads, plain=False):
     """`attention` for a long prompt's chunk: the softmax over [committed slots | new
     tokens] computed online (a running maximum, sum and weighted values), over the cache's
     slots `reads.block` at a time and only as far as the longest row's length. Work and
@@ -200,7 +205,8 @@ def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads):
     32k-slot cache costs its first chunks no more than a short one. Equal to `attention`
     up to float32 rounding (the sum is taken in another order).
 
-    q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H] -> [B,T,N*H]."""
+    q [B,T,N,H]; k/v_cache [B,K,S,H]; k/v_new [B,K,T,H] -> [B,T,N*H]. plain: products
+    as `attention_product` says."""
     B, T, N, H = q.shape
     K, S = k_new.shape[1], k_cache.shape[2]
     G, block = N // K, min(reads.block, S)
@@ -216,18 +222,16 @@ def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads):
         """carry (max [B,K,G,T], sum [B,K,G,T], weighted values [B,K,G,T,H]) plus keys
         and values [B,K,S',H] that each query sees where sees [B,T,S']."""
         top, total, out = carry
-        scores = jnp.einsum(
-            "bkqh,bksh->bkqs", q, k, preferred_element_type=jnp.float32, precision=FLOAT32
-        ).reshape(B, K, G, T, -1) / math.sqrt(H)
+        scores = attention_product("bkqh,bksh->bkqs", q, k, plain)
+        scores = scores.reshape(B, K, G, T, -1) / math.sqrt(H)
         sees = sees[:, None, None]
         scores = jnp.where(sees, scores, low)
         new_top = jnp.maximum(top, scores.max(-1))
         weights = jnp.where(sees, jnp.exp(scores - new_top[..., None]), 0.0)  # [B,K,G,T,S']
         rescale = jnp.exp(top - new_top)
-        weighted = jnp.einsum(
-            "bkqs,bksh->bkqh", weights.astype(v.dtype).reshape(B, K, G * T, -1), v,
-            preferred_element_type=jnp.float32, precision=FLOAT32,
-        ).reshape(B, K, G, T, H)  # fmt: skip
+        weights_v = weights.astype(v.dtype).reshape(B, K, G * T, -1)
+        weighted = attention_product("bkqs,bksh->bkqh", weights_v, v, plain)
+        weighted = weighted.reshape(B, K, G, T, H)
         return new_top, total * rescale + weights.sum(-1), out * rescale[..., None] + weighted
 
     def read_block(i, carry):

@@ -112,7 +112,8 @@ def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, mask, linear: Linear | 
     x = rms_norm(h, p["input_layernorm"], cfg.norm_eps)
     q = apply_rope(project_heads(cfg, p, x, "q", cfg.n_heads, linear), cos, sin)
     k, v = layer_kv(cfg, p, x, cos, sin, linear)
-    h = h + linear(attention(q, k_cache, v_cache, k, v, mask), "o_proj")
+    plain = isinstance(p.get("q_proj"), PlainProducts)  # its attention's products too
+    h = h + linear(attention(q, k_cache, v_cache, k, v, mask, plain), "o_proj")
     h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), linear)
     return h, k, v
 

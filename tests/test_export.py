@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,21 @@ def test_export_chunked_prefill_with_plain_products(method):
     plan = gen.lowerings(*gen.example_inputs(2, 16, 64, chunked=True))
     exported = export.export_all({k: plan[k] for k in ("extend", "prefill")})
     assert "bf16" in exported["extend"]["cuda"].mlir_module()
+
+
+def test_export_plain_prefill_attention_multiplies_in_bfloat16():
+    """Under plain-prefill a long prompt's attention products (batched 4-d dots: the
+    chunk's scores and weighted values, block by block) are bfloat16 ones in the exported
+    chunk programs; with exact products they stay float32."""
+    attention_bf16 = re.compile(r"stablehlo\.dot_general[^\n]*tensor<\d+x\d+x\d+x\d+xbf16>")
+    bf16 = compute_params(params(), jnp.bfloat16)
+    for products, expected in (("plain-prefill", True), ("exact", False)):
+        gen = SpeculativeGenerator(CFG, bf16, products=products, prefill_chunk=16)
+        plan = gen.lowerings(*gen.example_inputs(2, 16, 64, chunked=True))
+        exported = export.export_all({k: plan[k] for k in ("extend", "prefill")})
+        for name, by_platform in exported.items():
+            module = by_platform["cuda"].mlir_module()
+            assert bool(attention_bf16.search(module)) == expected, (name, products)
 
 
 @pytest.mark.parametrize(
