@@ -197,7 +197,7 @@ def attention(q, k_cache, v_cache, k_new, v_new, mask, plain: bool = False):
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
 
 
-def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads, plain=False):
+def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads, plain: bool = False):
     """`attention` for a long prompt's chunk: the softmax over [committed slots | new
     tokens] computed online (a running maximum, sum and weighted values), over the cache's
     slots `reads.block` at a time and only as far as the longest row's length. Work and

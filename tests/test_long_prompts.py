@@ -162,8 +162,8 @@ def test_prefix_attention_reads_only_the_prompt_so_far(window):
 
 
 def test_prefix_attention_memory_does_not_grow_with_the_cache():
-    """XLA's plan for a 32-token chunk against 512 and 8192 cache slots: the same scratch
-    memory (the masked softmax's [B,N,T,S] scores grow 16x)."""
+    """XLA's plan for a 32-token chunk against 512 and 8192 cache slots: about the same
+    scratch memory (the masked softmax's [B,N,T,S] scores grow 16x)."""
 
     def scratch(S: int, blocked: bool) -> int:
         args, lengths, positions, causal = _attention_inputs(S, 32, [40, 100])
@@ -176,5 +176,5 @@ def test_prefix_attention_memory_does_not_grow_with_the_cache():
         compiled = jax.jit(run).lower(*args, lengths).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    assert scratch(8192, True) == scratch(512, True)
+    assert scratch(8192, True) < 1.5 * scratch(512, True)  # equal with jax 0.10
     assert scratch(8192, False) > 8 * scratch(512, False)
