@@ -199,7 +199,7 @@ def prefill_and_draft(
     tokens follow the prompt part already in it (a long prompt's last chunk)."""
     B, P = tokens.shape
     start = jnp.zeros((B,), jnp.int32) if cache is None else cache.lengths
-    cache = None if cache is None else prompt_reads(cache, P)
+    cache = prompt_reads(cache, P)
     positions = start[:, None] + jnp.arange(P)
     collect = _collected_layers(drafter, cfg)
     last = (lengths - 1)[:, None]  # [B,1]

@@ -50,10 +50,10 @@ def init_cache(cfg: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     return KVCache(keys=buffers(), values=buffers(), lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def prompt_reads(cache: KVCache, block: int) -> KVCache:
-    """The cache as a long prompt's chunk reads it (layers.prefix_attention): `block` slots
-    at a time, as far as the prompt has come, whatever the buffer's size."""
-    return cache.replace(read_block=block)
+def prompt_reads(cache: KVCache | None, block: int) -> KVCache | None:
+    """The cache (None: none) as a long prompt's chunk reads it (layers.prefix_attention):
+    `block` slots at a time, as far as the prompt has come, whatever the buffer's size."""
+    return None if cache is None else cache.replace(read_block=block)
 
 
 def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:

@@ -138,6 +138,17 @@ def swiglu_mlp(x: jax.Array, linear) -> jax.Array:
     return linear(jax.nn.silu(linear(x, "gate_proj")) * linear(x, "up_proj"), "down_proj")
 
 
+def within_window(positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
+    """positions [B,T], key_positions [B,S] -> [B,T,S]: the key is one of the last `window`
+    positions up to the query's (HF's sliding window: q - window < k). Example, window 2:
+
+        key:  0 1 2 3
+        q 2   0 1 1 1    (keys after the query are masked by causality, not here)
+        q 3   0 0 1 1
+    """
+    return key_positions[:, None, :] > positions[:, :, None] - window
+
+
 @dataclasses.dataclass(frozen=True)
 class PrefixReads:
     """What a long prompt's chunk sees, in place of a [B,T,S+T] mask: each row's committed
@@ -214,9 +225,7 @@ def prefix_attention(q, k_cache, v_cache, k_new, v_new, reads: PrefixReads, plai
     low = jnp.finfo(jnp.float32).min
 
     def sees_within_window(key_positions):  # [B,S'] -> [B,T,S']
-        if not reads.window:
-            return True
-        return key_positions[:, None, :] > reads.positions[:, :, None] - reads.window
+        return not reads.window or within_window(reads.positions, key_positions, reads.window)
 
     def add(carry, k, v, sees):
         """carry (max [B,K,G,T], sum [B,K,G,T], weighted values [B,K,G,T,H]) plus keys

@@ -27,6 +27,7 @@ from jaxspec.layers import (
     rms_norm,
     rope_tables,
     swiglu_mlp,
+    within_window,
 )
 
 Params = dict
@@ -116,17 +117,6 @@ def decoder_layer(cfg, p, h, cos, sin, k_cache, v_cache, mask, linear: Linear | 
     h = h + linear(attention(q, k_cache, v_cache, k, v, mask, plain), "o_proj")
     h = h + swiglu_mlp(rms_norm(h, p["post_attention_layernorm"], cfg.norm_eps), linear)
     return h, k, v
-
-
-def within_window(positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
-    """positions [B,T], key_positions [B,S] -> [B,T,S]: the key is one of the last `window`
-    positions up to the query's (HF's sliding window: q - window < k). Example, window 2:
-
-        key:  0 1 2 3
-        q 2   0 1 1 1    (keys after the query are masked by causality, not here)
-        q 3   0 0 1 1
-    """
-    return key_positions[:, None, :] > positions[:, :, None] - window
 
 
 def run_layers(

@@ -160,7 +160,7 @@ def _prefill(params, tokens, length, cache=None, *, cfg):
     long prompt's last chunk) -> (the first new token [1], the tokens' KVBlock)."""
     B, P = tokens.shape
     positions = jnp.arange(P)[None] if cache is None else cache.lengths[:, None] + jnp.arange(P)
-    cache = None if cache is None else prompt_reads(cache, P)
+    cache = prompt_reads(cache, P)
     h, block, _ = run_layers(params, cfg, embed(params, tokens), positions, cache,
                              causal_mask(B, P))  # fmt: skip
     last = jnp.take_along_axis(h, (length - 1)[:, None, None], axis=1)
