@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from jaxspec.cli import ArgumentParser, positive_float, run_main
+from jaxspec.compile_cache import default_dir
 from jaxspec.device_bench import PARTS, run_campaign
-from jaxspec.device_bench.compile_cache import default_dir
 from jaxspec.errors import JaxspecError
 from jaxspec.outputs import check_output_file
 

@@ -228,3 +228,33 @@ def test_every_question_set_is_sized_for_the_longest_prompt_of_all(tmp_path, mon
     assert record["prompt_room"] >= 60
     room = record["prompt_room"]
     assert calls == [(str(short), room, True), (str(long), room, True)]
+
+
+def test_training_keeps_its_compiled_programs_where_compiles_are_slow(monkeypatch):
+    """A trainer compiles through the compile cache in JAXSPEC_HOME where compiles are slow
+    (a resumed run on a warm device machine then loads its step's programs), through none
+    on a CPU; entered before the model loads, as jax's cache requires."""
+    import contextlib
+    from argparse import Namespace
+
+    from jaxspec.compile_cache import default_dir
+    from train import skeleton
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(folder):
+        entered.append(folder)
+        yield {}
+
+    def load_model(*args, **kw):
+        assert entered, "the model loaded before the compile cache was entered"
+        raise KeyboardInterrupt  # the rest is the trainers' tests'
+
+    monkeypatch.setattr(skeleton, "compile_cache", recording)
+    monkeypatch.setattr(skeleton, "load_model", load_model)
+    for slow in (False, True):
+        monkeypatch.setattr(skeleton, "compiles_are_slow", lambda slow=slow: slow)
+        with pytest.raises(KeyboardInterrupt):
+            skeleton.train(object, Namespace(mesh=None, model=None))
+    assert entered == [None, default_dir()]

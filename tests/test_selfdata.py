@@ -102,6 +102,42 @@ def test_interrupted_answers_resume_without_regenerating(model, tmp_path, genera
     assert not out.with_suffix(".partial.npz").exists()
 
 
+def compiles_counted(monkeypatch) -> list[int]:
+    """One entry per program set SpeculativeGenerator compiles from now on."""
+    calls, original = [], SpeculativeGenerator.lowerings
+
+    def counting(self, *args, **kw):
+        calls.append(1)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(SpeculativeGenerator, "lowerings", counting)
+    return calls
+
+
+def test_answers_in_one_shape_compile_once_and_are_the_same(model, tmp_path, generated,
+                                                            monkeypatch):  # fmt: skip
+    """one_shape (where compiles are slow): every batch padded to `batch` prompts of
+    prompt_len tokens compiles one program set where the sorted prompts pass through several
+    (prompt bucket, batch size) shapes, and the answers are the bucketed run's."""
+    rng = np.random.default_rng(1)
+    data = [
+        {"id": str(i), "conversations": [
+            {"from": "human", "value": " ".join(f"w{j}" for j in rng.integers(5, 101, k))},
+            {"from": "gpt", "value": "w5"},
+        ]}
+        for i, k in enumerate([2, 4, 7, 11, 16, 23])
+    ]  # fmt: skip
+    settings = {"prompt_len": 64, "new_tokens": 6, "batch": 4}
+    compiles = compiles_counted(monkeypatch)
+    bucketed = generate_answers(model, data, 6, tmp_path / "b.npz", one_shape=False, **settings)
+    assert len(compiles) >= 2 and [len(call) for call in generated] == [4, 2]
+    compiles.clear(), generated.clear()
+    one = generate_answers(model, data, 6, tmp_path / "o.npz", one_shape=True, **settings)
+    assert len(compiles) == 1 and [len(call) for call in generated] == [4, 4]
+    for key in ("tokens", "lengths", "starts"):
+        np.testing.assert_array_equal(one[key], bucketed[key])
+
+
 def test_features_reuse_rows_of_another_file(model, tmp_path, monkeypatch):
     import train.features as features
 

@@ -8,8 +8,9 @@ each of its user turns with the conversation before it, ChatGPT's answers as wri
 "later": every turn but the first, the prompts a first-turn drafter has not seen): the
 ShareGPT package's train split holds ~7.5k first turns of <= 128 tokens; counting every
 turn, ~15k prompts of <= 512 tokens and ~23k of <= 1024 (from a sample of 3000
-conversations). Batched generation; progress is saved after every batch and
-an interrupted run resumes; answers already cached for other prompt counts are reused.
+conversations). Batched generation (in one program shape where compiles are slow: an
+accelerator); progress is saved after every batch and an interrupted run resumes; answers
+already cached for other prompt counts are reused.
 `dataset_replies` packs the conversations' own replies the same way (no generation).
 Every file is written whole or not at all; a damaged one is an error naming it.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from jaxspec.compile_cache import compiles_are_slow
 from jaxspec.data.sources import ROLES, first_user_turn
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
@@ -145,11 +147,14 @@ def generate_answers(
     batch: int = ANSWER_BATCH,
     reuse: Iterable[Path] = (),
     turns: str = "first",
+    one_shape: bool | None = None,
 ) -> dict:
     """{"tokens" [N,prompt_len+new_tokens], "lengths" [N], "starts" [N]}, cached in `out`;
     turns: a key of PROMPTS. Answers found in `reuse` (caches made with the same
     new_tokens) or in an interrupted run's partial file are taken from there, not
-    generated again."""
+    generated again. one_shape (None: where compiles are slow): every batch padded to
+    `batch` prompts of prompt_len tokens, so its programs compile once, not once per
+    (prompt bucket, cache length, batch size) the sorted prompts pass through."""
     out = Path(out)
     if out.is_file():
         return load_npz(out)
@@ -164,11 +169,15 @@ def generate_answers(
     answers = {p: known[p] for p in unique if p in known}
     missing = [p for p in unique if p not in answers]
     generator = SpeculativeGenerator(model.cfg, model.params)
+    one_shape = compiles_are_slow() if one_shape is None else one_shape
+    if one_shape:
+        generator.min_prompt_len = prompt_len
     seq_len = prompt_len + new_tokens
     bar = tqdm(total=len(unique), initial=len(answers), desc=f"answers {out.stem}", unit="seq")
     for start in range(0, len(missing), batch):
         chunk = missing[start : start + batch]
-        results = generator.generate_batch([list(p) for p in chunk], new_tokens)
+        rows = chunk + chunk[-1:] * (batch - len(chunk)) if one_shape else chunk
+        results = generator.generate_batch([list(p) for p in rows], new_tokens)[: len(chunk)]
         answers.update((p, r.token_ids) for p, r in zip(chunk, results, strict=True))
         save_npz(partial, _pack([(list(p), a) for p, a in answers.items()], seq_len))
         bar.update(len(results))

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxspec.checkpoint import jaxspec_home
+from jaxspec.compile_cache import compile_cache, compiles_are_slow, default_dir
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
@@ -222,7 +223,9 @@ def train(kind: type[Trainer], args) -> dict:
     shape = parse_mesh(args.mesh) if args.mesh else None
     if shape:
         provide_devices(shape["data"] * shape["model"])
-    trainer = kind(args, load_model(args.model, mesh=shape and make_mesh(shape)))
-    work = args.work_dir or trainer.default_work()
-    with training_run(args, work, trainer.default_out()) as out:
-        return trainer.run(work, out)
+    # Where compiles are slow, a resumed run loads its programs instead of compiling them.
+    with compile_cache(default_dir() if compiles_are_slow() else None):
+        trainer = kind(args, load_model(args.model, mesh=shape and make_mesh(shape)))
+        work = args.work_dir or trainer.default_work()
+        with training_run(args, work, trainer.default_out()) as out:
+            return trainer.run(work, out)

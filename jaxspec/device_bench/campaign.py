@@ -17,9 +17,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from jaxspec.compile_cache import compile_cache as cached_compiles
 from jaxspec.config import LlamaConfig, preset
 from jaxspec.device_bench import end_to_end, numerics, shapes
-from jaxspec.device_bench.compile_cache import compile_cache as cached_compiles
 from jaxspec.device_bench.device import device_info, floor_ms, software_info
 from jaxspec.device_bench.end_to_end import Skip
 from jaxspec.device_bench.report import markdown

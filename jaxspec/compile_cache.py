@@ -1,9 +1,11 @@
-"""Compiled programs kept on disk for the campaign (jax's persistent compilation cache).
+"""Compiled programs kept on disk (jax's persistent compilation cache), for the device
+campaign and for training where compiles are slow (`compiles_are_slow`).
 
 On a GPU a program compiles in 10-25 s. Within one process jax already reuses a program
 it has compiled (AR's, in every group of the end-to-end part); the cache keeps them for
 the next process: a later call on the same machine (a warm device machine keeps its disk
-between calls) loads them instead of compiling again."""
+between calls) loads them instead of compiling again (a resumed training run: its step
+and its evaluation's decoding programs)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ SETTINGS = {  # every program is kept, however quick its compile
     "jax_persistent_cache_min_compile_time_secs": 0.0,
     "jax_persistent_cache_min_entry_size_bytes": 0,
 }
+
+
+def compiles_are_slow() -> bool:
+    """Whether programs compile slowly on this backend (an accelerator, against a CPU): work
+    over prompts of many lengths then pads them to one program shape instead of compiling
+    one per bucket, and training keeps its compiled programs on disk."""
+    return jax.default_backend() != "cpu"
 
 
 def default_dir() -> Path:
