@@ -19,6 +19,7 @@ from pathlib import Path
 from jaxspec.cli import ArgumentParser, positive_float, run_main
 from jaxspec.compile_cache import default_dir
 from jaxspec.device_bench import PARTS, run_campaign
+from jaxspec.device_bench.end_to_end import GROUP_NAMES, SETS, chosen_groups
 from jaxspec.errors import JaxspecError
 from jaxspec.outputs import check_output_file
 
@@ -32,6 +33,12 @@ def parse_args(argv=None):
         "--parts",
         default=",".join(PARTS),
         help=f"comma list of parts to run, in this order: {', '.join(PARTS)}",
+    )
+    p.add_argument(
+        "--groups",
+        help="the default model's groups to run (default: all), comma list of GROUP or "
+        "SET:GROUP, e.g. humaneval:searched-32 (groups: "
+        f"{', '.join(GROUP_NAMES)}; sets: {', '.join(SETS)})",
     )
     p.add_argument(
         "--budget-s",
@@ -72,12 +79,14 @@ def _main(argv) -> None:
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
         raise JaxspecError(f"--parts {args.parts}: choose among {', '.join(PARTS)}")
+    groups = None if args.groups is None else chosen_groups(args.groups)
     cache = args.compile_cache or (None if args.dry_run else default_dir())
     result = run_campaign(
         args.out,
         dry_run=args.dry_run,
         budget_s=args.budget_s,
         parts=parts,
+        groups=groups,
         bandwidth_gbs=args.bandwidth_gbs,
         questions=args.questions,
         model=args.model,

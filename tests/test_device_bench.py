@@ -19,7 +19,7 @@ from infer.device_bench import main
 from jaxspec.config import preset
 from jaxspec.data.sources import Question
 from jaxspec.decode import PREFILL_CHUNK
-from jaxspec.device_bench import PARTS, end_to_end
+from jaxspec.device_bench import PARTS, end_to_end, run_campaign
 from jaxspec.device_bench.campaign import DTYPE, TimeCap, time_cap
 from jaxspec.device_bench.device import bandwidth
 from jaxspec.device_bench.end_to_end import (
@@ -258,3 +258,31 @@ def test_training_keeps_its_compiled_programs_where_compiles_are_slow(monkeypatc
         with pytest.raises(KeyboardInterrupt):
             skeleton.train(object, Namespace(mesh=None, model=None))
     assert entered == [None, default_dir()]
+
+
+def test_groups_run_only_the_chosen_groups_of_the_default_model(tmp_path, monkeypatch, capsys):
+    """--groups SET:GROUP (a bare GROUP: every set): the end-to-end part runs those groups
+    alone (a loan measures a missing row without the whole part), the record says which;
+    an unknown name is a one-line error."""
+    calls = []
+
+    def bench(rows, questions, **kw):
+        calls.append((questions, rows))
+        return {"n_questions": 1, "methods": {}}
+
+    monkeypatch.setattr(end_to_end, "run_benchmark", bench)
+    monkeypatch.setattr(end_to_end, "humaneval_available", lambda: None)
+    groups = end_to_end.chosen_groups("humaneval:searched-32,spec_bench:plain")
+    assert groups == (("humaneval", end_to_end.SEARCHED), ("spec_bench", end_to_end.PLAIN))
+    assert len(end_to_end.chosen_groups("default")) == len(end_to_end.SETS)
+    out = tmp_path / "groups.json"
+    result = run_campaign(out, dry_run=True, parts=("default_model",), groups=groups)
+    assert result["groups"] == ["humaneval:searched-32", "spec_bench:default, plain products"]
+    assert [(questions == "humaneval", rows) for questions, rows in calls] == [
+        (False, ["ar", "medusa", "sdsat"]),  # spec_bench, plain: the default rows with a tree
+        (True, ["ar", "medusa@searched-32"]),  # sdsat ships no searched tree: skipped
+    ]
+    for bad in ("nope", "humaneval:nope", "other:default", ","):
+        bad_out = str(tmp_path / "bad.json")
+        err = one_line_error(main, ["--dry-run", "--groups", bad, "--out", bad_out], capsys)
+        assert "--groups" in err

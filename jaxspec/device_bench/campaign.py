@@ -156,11 +156,12 @@ class Campaign:
         questions: Path,
         model: Path | None,
         command: str,
+        groups: tuple[tuple[str, str], ...] | None = None,
     ):
         self.paths = (out, out.with_suffix(".md"))
         self.sizes = DRY if dry_run else DEVICE
         self.dry_run, self.budget_s, self.parts = dry_run, budget_s, parts
-        self.questions, self.model = Path(questions), model
+        self.questions, self.model, self.groups = Path(questions), model, groups
         self.started = time.perf_counter()
         self._params = None  # the model-shape weights, shared by ar, verify and prefill
         self.workdir = tempfile.TemporaryDirectory(prefix="device-bench-")
@@ -176,6 +177,8 @@ class Campaign:
             "software": software_info(),
             "parts": {},
         }
+        if groups is not None:  # the end-to-end part runs only these (set, group)s
+            self.result["groups"] = [f"{one}:{group}" for one, group in groups]
 
     @property
     def gbs(self) -> float | None:
@@ -309,6 +312,10 @@ class Campaign:
             ("spec_bench", spec_bench, end_to_end.GROUPS),
             ("humaneval", humaneval, s.humaneval_groups),
         ]
+        if self.groups is not None:  # only the chosen groups (another call ran the rest)
+            sets = [(name, prepare, tuple(g for g in end_to_end.GROUPS if (name, g) in self.groups))
+                    for name, prepare, _ in sets]  # fmt: skip
+            sets = [one for one in sets if one[2]]
         end_to_end.default_model_rows(
             add, record, model, sets, drafters, s.methods, s.max_new_tokens, DTYPE
         )
@@ -358,10 +365,13 @@ def run_campaign(
     model: Path | None = None,
     command: str = "",
     compile_cache: Path | None = None,
+    groups: tuple[tuple[str, str], ...] | None = None,
 ) -> dict:
     """Run the campaign's parts, writing out (JSON) and out.md after every row -> the record.
     compile_cache: a folder keeping compiled programs (compile_cache.compile_cache: enter
-    before anything compiles), its use recorded under "compile_cache"."""
+    before anything compiles), its use recorded under "compile_cache". groups: the
+    end-to-end part runs only these (set, group) pairs (end_to_end.chosen_groups; None:
+    all)."""
     provide_devices_for(["ppd"])  # PPD's k + 1 devices, if jax has not started yet
     budget = budget_s or (DRY_BUDGET_S if dry_run else DEFAULT_BUDGET_S)
     with cached_compiles(compile_cache) as stats:
@@ -374,6 +384,7 @@ def run_campaign(
             questions=questions,
             model=model,
             command=command,
+            groups=groups,
         )
         campaign.result["compile_cache"] = stats
         campaign.save()

@@ -36,8 +36,27 @@ PLAIN = "default, plain products"  # the default rows, AR included, multiplying 
 # the rows: each method at its default tree; at SEARCHED; at DYNAMIC (those three with
 # the backend's default products, decode.default_products); PLAIN
 GROUPS = ("default", SEARCHED, DYNAMIC, PLAIN)
+GROUP_NAMES = dict(zip(("default", SEARCHED, DYNAMIC, "plain"), GROUPS, strict=True))  # CLI's
+SETS = ("spec_bench", "humaneval")
 # The fields of a bench row the campaign keeps.
 KEPT = ("tokens_per_s", "speedup", "mean_accepted", "match_ar", "new_tokens", "seconds")
+
+
+def chosen_groups(text: str) -> tuple[tuple[str, str], ...]:
+    """'SET:GROUP,GROUP,...' (a bare GROUP: in every set; names: SETS and GROUP_NAMES) ->
+    ((set, group), ...) to run, or a one-line error naming the unknown one."""
+    chosen = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        where, _, name = item.rpartition(":")
+        if name not in GROUP_NAMES or (where and where not in SETS):
+            raise JaxspecError(
+                f"--groups {item}: name GROUP or SET:GROUP, GROUP one of "
+                f"{', '.join(GROUP_NAMES)}, SET one of {', '.join(SETS)}"
+            )
+        chosen += [(one, GROUP_NAMES[name]) for one in ([where] if where else SETS)]
+    if not chosen:
+        raise JaxspecError("--groups: name at least one group, e.g. humaneval:searched-32")
+    return tuple(chosen)
 
 
 class Skip(Exception):
