@@ -39,7 +39,7 @@ bench: model
 # device image without a venv too (there python3 has jax with CUDA; carried packages go on
 # PYTHONPATH). `make device-bench DRY_RUN=1`: every part at tiny shapes on a CPU, fast,
 # into (and over) its own file in /tmp. OVERWRITE=1 replaces an earlier device run's file;
-# PARTS=a,b runs only those parts, BUDGET_S=N gives them N seconds in all, GROUPS=SET:GROUP,...
+# PARTS=a,b runs only those parts, BUDGET_S=N gives them N seconds in all, E2E_GROUPS=SET:GROUP,...
 # only those groups of the default model's part (e.g. humaneval:searched-32).
 BENCH_PY = $(if $(wildcard $(PY)),$(PY),python3)
 DEVICE_BENCH_OUT ?= $(if $(DRY_RUN),/tmp/jaxspec-device-bench-dry.json,benchmarks/device-bench.json)
@@ -47,7 +47,7 @@ DEVICE_BENCH_OUT ?= $(if $(DRY_RUN),/tmp/jaxspec-device-bench-dry.json,benchmark
 device-bench:
 	$(BENCH_PY) -m infer.device_bench $(if $(DRY_RUN),--dry-run --overwrite) \
 	  $(if $(OVERWRITE),--overwrite) $(if $(PARTS),--parts $(PARTS)) \
-	  $(if $(BUDGET_S),--budget-s $(BUDGET_S)) $(if $(GROUPS),--groups $(GROUPS)) --questions $(SPEC_BENCH) --out $(DEVICE_BENCH_OUT)
+	  $(if $(BUDGET_S),--budget-s $(BUDGET_S)) $(if $(E2E_GROUPS),--groups $(E2E_GROUPS)) --questions $(SPEC_BENCH) --out $(DEVICE_BENCH_OUT)
 
 lint: setup
 	$(PY) -m ruff check .
