@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from jaxspec.compile_cache import compiles_are_slow
 from jaxspec.data.sources import load_questions, select_questions
 from jaxspec.decode import default_products
 from jaxspec.divergence import divergences
@@ -64,7 +65,7 @@ def run_benchmark(
     products: str | None = None,
     command: str = "",
     mesh: str | None = None,
-    one_shape: bool = False,
+    one_shape: bool | None = None,
     min_prompt_len: int = 0,
     warm_up_workers: int = 1,
 ) -> dict:
@@ -74,11 +75,12 @@ def run_benchmark(
     named) -> drafter folder replacing the shipped one; products: how every row's bfloat16
     weights multiply (jaxspec.decode.PRODUCTS; None: the backend's default); mesh:
     "data=D,model=M" to split the model over (jaxspec.mesh; ppd rows: each stage on M);
-    one_shape (single_turn only): every row's programs sized for the longest prompt, so
-    each row compiles once for the whole run (where compiles are slow, a GPU), shorter
-    prompts padded; min_prompt_len (one_shape): size them for at least this many prompt
-    tokens (runs given the same size need the same programs: a later run in the process
-    reuses them, not compiles them again); warm_up_workers: rows compiled and
+    one_shape (single_turn only; None: single_turn where compiles are slow, an accelerator):
+    every row's programs sized for the longest prompt, so each row compiles once for the
+    whole run, not once per prompt bucket, shorter prompts padded; min_prompt_len
+    (one_shape): size them for at least this many prompt tokens (runs given the same size
+    need the same programs: a later run in the process reuses them, not compiles them
+    again); warm_up_workers: rows compiled and
     warmed up at once (threads: XLA compiles outside Python's lock, so a many-core host
     compiles rows side by side)."""
     methods = check_rows(rows)
@@ -107,6 +109,8 @@ def run_benchmark(
     runners = {
         m: Runner(m, model_for(m), sampling, seed, ppd_k, drafters, products) for m in methods
     }
+    if one_shape is None:
+        one_shape = single_turn and compiles_are_slow()
     if min_prompt_len and not one_shape:
         raise JaxspecError("min_prompt_len sizes the programs of one_shape: set one_shape")
     if one_shape:

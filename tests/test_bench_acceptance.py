@@ -179,3 +179,8 @@ def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_p
     assert width[1] >= 100
     with pytest.raises(JaxspecError, match="min_prompt_len sizes the programs of one_shape"):
         run_benchmark(["ar"], str(short), min_prompt_len=100, **kw)
+    # unset, one_shape is single_turn's where compiles are slow (an accelerator's default)
+    monkeypatch.setattr("jaxspec.bench.compiles_are_slow", lambda: True)
+    assert run_benchmark(["ar"], str(short), **kw)["one_shape"]
+    assert not run_benchmark(["ar"], str(short), **{**kw, "single_turn": False})["one_shape"]
+    assert not run_benchmark(["ar"], str(short), one_shape=False, **kw)["one_shape"]
