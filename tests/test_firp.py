@@ -129,10 +129,22 @@ def deeper(name: str, n_layers: int = 5):
 ACCURACY = [[0.5, 0.7, 0.8], [0.3, 0.45, 0.5], [0.2, 0.3, 0.35], [0.1, 0.15, 0.2]]
 
 
-@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa"])
-@pytest.mark.parametrize(("tree_name", "n_chains"), [("chain-2", 0), ("cpu-8", 0), ("cpu-16", 0),
-                                                     ("cpu-8", 1), ("cpu-16", 4)])  # fmt: skip
-def test_greedy_firp_is_lossless(name, tree_name, n_chains):
+@pytest.mark.parametrize(
+    ("tree_name", "n_chains", "name"),
+    [  # both kv layouts, a chain and both trees, every pseudo-chain count in the fast set
+        ("chain-2", 0, "tiny-mqa"),
+        ("cpu-16", 0, "tiny-gqa"),
+        ("cpu-8", 1, "tiny-mqa"),
+        ("cpu-16", 4, "tiny-gqa"),
+        *(
+            pytest.param(tree, n, name, marks=pytest.mark.slow)
+            for tree, n, name in [("chain-2", 0, "tiny-gqa"), ("cpu-8", 0, "tiny-gqa"),
+                                  ("cpu-8", 0, "tiny-mqa"), ("cpu-16", 0, "tiny-mqa"),
+                                  ("cpu-8", 1, "tiny-gqa"), ("cpu-16", 4, "tiny-mqa")]
+        ),
+    ],
+)  # fmt: skip
+def test_greedy_firp_is_lossless(tree_name, n_chains, name):
     cfg, params = deeper(name)
     tree = tree_preset(tree_name)
     layers = (1, 2, 3, 5)  # deeper than some trees: only the steps a tree uses run
