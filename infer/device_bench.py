@@ -36,9 +36,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--groups",
-        help="the default model's groups to run (default: all), comma list of GROUP or "
-        "SET:GROUP, e.g. humaneval:searched-32 (groups: "
-        f"{', '.join(GROUP_NAMES)}; sets: {', '.join(SETS)})",
+        help="the default model's groups to run (default: all), comma list of GROUP (in "
+        "each set that runs it by default) or SET:GROUP, e.g. humaneval:searched-32 "
+        f"(groups: {', '.join(GROUP_NAMES)}; sets: {', '.join(SETS)})",
     )
     p.add_argument(
         "--budget-s",
@@ -80,6 +80,8 @@ def _main(argv) -> None:
     if unknown or not parts:
         raise JaxspecError(f"--parts {args.parts}: choose among {', '.join(PARTS)}")
     groups = None if args.groups is None else chosen_groups(args.groups)
+    if groups and "default_model" not in parts:
+        raise JaxspecError("--groups picks groups of the default_model part: add it to --parts")
     cache = args.compile_cache or (None if args.dry_run else default_dir())
     result = run_campaign(
         args.out,

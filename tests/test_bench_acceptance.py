@@ -149,6 +149,7 @@ def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_p
     kw = dict(model=tiny_ckpt[0], max_new_tokens=8, drafters={"medusa": medusa_folder},
               single_turn=True)  # fmt: skip
     rows = ["ar", "medusa@comb-2-10", "ppd"]
+    monkeypatch.setattr("jaxspec.bench.compiles_are_slow", lambda: False)  # a CPU's default
     own = run_benchmark(rows, str(questions), **kw)
     shapes = defaultdict(set)  # generator -> the (prompt width, cache length) it compiled
     programs = SpeculativeGenerator._programs

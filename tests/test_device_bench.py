@@ -240,15 +240,18 @@ def test_training_keeps_its_compiled_programs_where_compiles_are_slow(monkeypatc
     from jaxspec.compile_cache import default_dir
     from train import skeleton
 
-    entered = []
+    events = []
 
     @contextlib.contextmanager
     def recording(folder):
-        entered.append(folder)
-        yield {}
+        events.append(("enter", folder))
+        try:
+            yield {}
+        finally:
+            events.append(("exit", folder))
 
     def load_model(*args, **kw):
-        assert entered, "the model loaded before the compile cache was entered"
+        events.append(("load",))
         raise KeyboardInterrupt  # the rest is the trainers' tests'
 
     monkeypatch.setattr(skeleton, "compile_cache", recording)
@@ -257,32 +260,49 @@ def test_training_keeps_its_compiled_programs_where_compiles_are_slow(monkeypatc
         monkeypatch.setattr(skeleton, "compiles_are_slow", lambda slow=slow: slow)
         with pytest.raises(KeyboardInterrupt):
             skeleton.train(object, Namespace(mesh=None, model=None))
-    assert entered == [None, default_dir()]
+    assert events == [("enter", None), ("load",), ("exit", None),
+                      ("enter", default_dir()), ("load",), ("exit", default_dir())]  # fmt: skip
 
 
 def test_groups_run_only_the_chosen_groups_of_the_default_model(tmp_path, monkeypatch, capsys):
-    """--groups SET:GROUP (a bare GROUP: every set): the end-to-end part runs those groups
-    alone (a loan measures a missing row without the whole part), the record says which;
-    an unknown name is a one-line error."""
+    """--groups SET:GROUP (a bare GROUP: in each set that runs it by default): the end-to-end
+    part runs those groups alone (a loan measures a missing row without the whole part),
+    sized as a whole run sizes them, and the record says which; an unknown name, or groups
+    without the part, is a one-line error."""
     calls = []
 
     def bench(rows, questions, **kw):
-        calls.append((questions, rows))
+        calls.append((questions == "humaneval", rows, kw["min_prompt_len"]))
         return {"n_questions": 1, "methods": {}}
 
     monkeypatch.setattr(end_to_end, "run_benchmark", bench)
     monkeypatch.setattr(end_to_end, "humaneval_available", lambda: None)
+
+    def run(groups):
+        calls.clear()
+        out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
+        return run_campaign(out, dry_run=True, parts=("default_model",), groups=groups)
+
+    whole = run(None)["parts"]["default_model"]
+    assert len(calls) == len(end_to_end.GROUPS) + 1  # Spec-Bench's groups, HumanEval's AR
     groups = end_to_end.chosen_groups("humaneval:searched-32,spec_bench:plain")
     assert groups == (("humaneval", end_to_end.SEARCHED), ("spec_bench", end_to_end.PLAIN))
-    assert len(end_to_end.chosen_groups("default")) == len(end_to_end.SETS)
-    out = tmp_path / "groups.json"
-    result = run_campaign(out, dry_run=True, parts=("default_model",), groups=groups)
-    assert result["groups"] == ["humaneval:searched-32", "spec_bench:default, plain products"]
-    assert [(questions == "humaneval", rows) for questions, rows in calls] == [
-        (False, ["ar", "medusa", "sdsat"]),  # spec_bench, plain: the default rows with a tree
-        (True, ["ar", "medusa@searched-32"]),  # sdsat ships no searched tree: skipped
+    result = run(groups)
+    assert result["groups"] == ["humaneval:searched-32", "spec_bench:plain"]
+    room = whole["prompt_room"]
+    assert result["parts"]["default_model"]["prompt_room"] == room
+    assert calls == [
+        (False, ["ar", "medusa", "sdsat"], room),  # spec_bench, plain: default rows with a tree
+        (True, ["ar", "medusa@searched-32"], room),  # sdsat ships no searched tree: skipped
     ]
+    run(end_to_end.chosen_groups("dynamic-32"))  # HumanEval runs no dynamic-32 by default
+    assert [(humaneval, rows) for humaneval, rows, _ in calls] == [
+        (False, ["ar", "medusa@dynamic-32"])
+    ]
+    bad_out = str(tmp_path / "bad.json")
     for bad in ("nope", "humaneval:nope", "other:default", ","):
-        bad_out = str(tmp_path / "bad.json")
         err = one_line_error(main, ["--dry-run", "--groups", bad, "--out", bad_out], capsys)
         assert "--groups" in err
+    err = one_line_error(main, ["--dry-run", "--parts", "ar", "--groups", "default", "--out",
+                                bad_out], capsys)  # fmt: skip
+    assert "add it to --parts" in err

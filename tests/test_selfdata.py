@@ -23,6 +23,12 @@ from train.selfdata import (
 SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
 
 
+@pytest.fixture(autouse=True)
+def bucketed(monkeypatch):
+    """Answers in bucketed shapes, as on a CPU, whatever the backend (one_shape: its test)."""
+    monkeypatch.setattr("train.selfdata.compiles_are_slow", lambda: False)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
     return load_model(tiny_ckpt[0])

@@ -153,8 +153,9 @@ def generate_answers(
     turns: a key of PROMPTS. Answers found in `reuse` (caches made with the same
     new_tokens) or in an interrupted run's partial file are taken from there, not
     generated again. one_shape (None: where compiles are slow): every batch padded to
-    `batch` prompts of prompt_len tokens, so its programs compile once, not once per
-    (prompt bucket, cache length, batch size) the sorted prompts pass through."""
+    `batch` prompts of prompt_len tokens, so its programs compile once (twice where
+    prompt_len passes the prefill chunk: long prompts are chunked), not once per (prompt
+    bucket, cache length, batch size) the sorted prompts pass through."""
     out = Path(out)
     if out.is_file():
         return load_npz(out)

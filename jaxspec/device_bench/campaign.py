@@ -156,7 +156,7 @@ class Campaign:
         questions: Path,
         model: Path | None,
         command: str,
-        groups: tuple[tuple[str, str], ...] | None = None,
+        groups: tuple[tuple[str | None, str], ...] | None = None,
     ):
         self.paths = (out, out.with_suffix(".md"))
         self.sizes = DRY if dry_run else DEVICE
@@ -177,8 +177,8 @@ class Campaign:
             "software": software_info(),
             "parts": {},
         }
-        if groups is not None:  # the end-to-end part runs only these (set, group)s
-            self.result["groups"] = [f"{one}:{group}" for one, group in groups]
+        if groups is not None:  # the end-to-end part runs only these
+            self.result["groups"] = end_to_end.groups_label(groups)
 
     @property
     def gbs(self) -> float | None:
@@ -312,10 +312,9 @@ class Campaign:
             ("spec_bench", spec_bench, end_to_end.GROUPS),
             ("humaneval", humaneval, s.humaneval_groups),
         ]
-        if self.groups is not None:  # only the chosen groups (another call ran the rest)
-            sets = [(name, prepare, tuple(g for g in end_to_end.GROUPS if (name, g) in self.groups))
-                    for name, prepare, _ in sets]  # fmt: skip
-            sets = [one for one in sets if one[2]]
+        if self.groups is not None:  # only those groups; every set still sizes the programs
+            sets = [(name, prepare, end_to_end.groups_of(self.groups, name, own) or None)
+                    for name, prepare, own in sets]  # fmt: skip
         end_to_end.default_model_rows(
             add, record, model, sets, drafters, s.methods, s.max_new_tokens, DTYPE
         )
@@ -365,13 +364,12 @@ def run_campaign(
     model: Path | None = None,
     command: str = "",
     compile_cache: Path | None = None,
-    groups: tuple[tuple[str, str], ...] | None = None,
+    groups: tuple[tuple[str | None, str], ...] | None = None,
 ) -> dict:
     """Run the campaign's parts, writing out (JSON) and out.md after every row -> the record.
     compile_cache: a folder keeping compiled programs (compile_cache.compile_cache: enter
     before anything compiles), its use recorded under "compile_cache". groups: the
-    end-to-end part runs only these (set, group) pairs (end_to_end.chosen_groups; None:
-    all)."""
+    end-to-end part runs only these (end_to_end.chosen_groups; None: all)."""
     provide_devices_for(["ppd"])  # PPD's k + 1 devices, if jax has not started yet
     budget = budget_s or (DRY_BUDGET_S if dry_run else DEFAULT_BUDGET_S)
     with cached_compiles(compile_cache) as stats:

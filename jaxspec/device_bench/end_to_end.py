@@ -42,9 +42,10 @@ SETS = ("spec_bench", "humaneval")
 KEPT = ("tokens_per_s", "speedup", "mean_accepted", "match_ar", "new_tokens", "seconds")
 
 
-def chosen_groups(text: str) -> tuple[tuple[str, str], ...]:
-    """'SET:GROUP,GROUP,...' (a bare GROUP: in every set; names: SETS and GROUP_NAMES) ->
-    ((set, group), ...) to run, or a one-line error naming the unknown one."""
+def chosen_groups(text: str) -> tuple[tuple[str | None, str], ...]:
+    """'SET:GROUP,GROUP,...' (names: SETS and GROUP_NAMES) -> ((set, group), ...), set None
+    for a bare GROUP (in every set that runs it by default), or a one-line error naming the
+    unknown one."""
     chosen = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         where, _, name = item.rpartition(":")
@@ -53,10 +54,22 @@ def chosen_groups(text: str) -> tuple[tuple[str, str], ...]:
                 f"--groups {item}: name GROUP or SET:GROUP, GROUP one of "
                 f"{', '.join(GROUP_NAMES)}, SET one of {', '.join(SETS)}"
             )
-        chosen += [(one, GROUP_NAMES[name]) for one in ([where] if where else SETS)]
+        chosen.append((where or None, GROUP_NAMES[name]))
     if not chosen:
         raise JaxspecError("--groups: name at least one group, e.g. humaneval:searched-32")
     return tuple(chosen)
+
+
+def groups_of(chosen, name: str, own: tuple[str, ...]) -> tuple[str, ...]:
+    """The GROUPS set `name` runs under `chosen` (chosen_groups): those named with the set,
+    and the bare ones among its own (`own`: the groups it runs by default)."""
+    return tuple(g for g in GROUPS if (name, g) in chosen or ((None, g) in chosen and g in own))
+
+
+def groups_label(chosen) -> list[str]:
+    """chosen_groups' pairs as --groups names them."""
+    names = {group: name for name, group in GROUP_NAMES.items()}
+    return [f"{one}:{names[g]}" if one else names[g] for one, g in chosen]
 
 
 class Skip(Exception):
@@ -155,7 +168,8 @@ def default_model_rows(
     dtype: str,
 ) -> None:
     """question_sets: (name, a callable -> (questions for run_benchmark, limit, fields for
-    the record), raising Skip when the set cannot run here, the GROUPS to run). Each set
+    the record), raising Skip when the set cannot run here, the GROUPS to run: none, AR
+    alone; None, nothing: the set only sizes the programs, as when it runs). Each set
     and group is one run_benchmark (first turns only) of AR and the group's rows
     interleaved question by question; its rows are added when it ends, so that a part cut
     short by its time cap keeps the groups done. Every set's programs are sized for the
@@ -184,6 +198,9 @@ def default_model_rows(
     record["prompt_room"] = longest
     del model  # run_benchmark loads its own copy
     for name, questions, limit, fields, run_groups in prepared:
+        if run_groups is None:
+            fields["sized_for_only"] = True  # its rows ran in another call
+            continue
         for group in run_groups or ("ar alone",):
             planned = groups.get(group, [])
             runs = [r for r in planned if "skipped" not in r]
@@ -210,7 +227,7 @@ def default_model_rows(
             for row in planned:
                 if "skipped" in row:
                     add({"set": name, "group": group, **row})
-    if all("skipped" in s for s in record["sets"].values()):
+    if all("skipped" in s or "sized_for_only" in s for s in record["sets"].values()):
         raise Skip("; ".join(f"{n}: {s['skipped']}" for n, s in record["sets"].items()))
 
 
