@@ -61,7 +61,7 @@ from .features import (
     with_states,
 )
 from .optim import apply_grads
-from .selfdata import PROMPTS
+from .selfdata import TURNS
 from .skeleton import Result, Trainer
 
 STATES = ("cached", "live")  # where the training answers' states come from
@@ -81,11 +81,13 @@ def parse_args(argv):
     )
     p.add_argument(
         "--turns",
-        choices=tuple(PROMPTS),
+        choices=TURNS,
         default="first",
         help="training prompts: first user turns, every user turn with the conversation "
-        "before it (more prompts; raise --prompt-len, e.g. 1024), or every turn but the first "
-        "(later: new prompts for a drafter trained on first turns); the test split's stay first",
+        "before it (more prompts; raise --prompt-len, e.g. 1024), every turn but the first "
+        "(later: new prompts for a drafter trained on first turns), or user turns the model "
+        "writes itself (written: no dataset read, prompts of every kind it was tuned on); the "
+        "test split's stay ShareGPT's first turns",
     )
     p.add_argument(
         "--answers",
@@ -132,6 +134,8 @@ def parse_args(argv):
     args = parse(p, argv)
     if args.keep_vocab and args.init is None:
         p.error("--keep-vocab keeps the --init drafter's vocabulary: add --init DIR")
+    if args.answers == "sharegpt" and args.turns == "written":
+        p.error("--answers sharegpt trains on ShareGPT's replies to its own prompts: drop one")
     if args.answers == "sharegpt" and args.states == "cached":
         p.error("--answers sharegpt computes states live: leave out --states cached")
     args.states = args.states or ("live" if args.answers == "sharegpt" else "cached")
@@ -397,6 +401,7 @@ def card(args, cfg, drafter, report) -> str:
         "with the conversation before it",
         "later": f"{args.train_seqs} user turns after the first of ShareGPT train-split\n  "
         "conversations, each with the conversation before it",
+        "written": f"{args.train_seqs} user turns the model wrote itself (train/written.py)",
     }[args.turns]
     answers = (
         "the base model's own greedy answers"

@@ -18,7 +18,8 @@ from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.outputs import load_npz, save_npz
 
-from .selfdata import ANSWER_BATCH, PROMPTS, dataset_replies, generate_answers
+from .selfdata import ANSWER_BATCH, TURNS, dataset_replies, generate_answers
+from .written import written_prompts
 
 
 def conversation_ids(tokenizer, conversation: dict, max_len: int) -> list[int] | None:
@@ -122,8 +123,11 @@ def _siblings(root: Path, prefix: str, split: str, prompt_len: int | str, new_to
     return sorted(root.glob(f"{prefix}-{split_tag(split)}-*-p{prompt_len}-n{new_tokens}.npz"))
 
 
+WRITTEN_SEEDS = {"train": 0, "test": 1 << 20}  # written prompts' seeds: streams far apart
+
+
 def answers_name(turns: str) -> str:
-    """The cache files' name for answers to `turns` prompts (selfdata.PROMPTS)."""
+    """The cache files' name for answers to `turns` prompts (selfdata.TURNS)."""
     return "self" if turns == "first" else f"self-{turns}"
 
 
@@ -137,8 +141,14 @@ def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tok
     path = root / f"{name}-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
     if path.is_file():  # ShareGPT is not read
         return load_npz(path)
-    kinds = [answers_name(kind) for kind in PROMPTS]
+    kinds = [answers_name(kind) for kind in TURNS]
     reuse = [p for kind in kinds for p in _siblings(root, kind, split, "*", new_tokens)]
+    if turns == "written":  # the model's own prompts, a stream per split
+        file = root / f"written-{split_tag(split)}-p{prompt_len}-b{batch}.npz"
+        seed = WRITTEN_SEEDS[split]
+        prompts = written_prompts(model, file, n, prompt_len, batch, seed)
+        return generate_answers(model, None, n, path, prompt_len, new_tokens, batch,
+                                reuse=reuse, prompts=prompts)  # fmt: skip
     return generate_answers(model, sharegpt_split(split), n, path, prompt_len, new_tokens,
                             batch, reuse=reuse, turns=turns)  # fmt: skip
 

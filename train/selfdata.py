@@ -8,9 +8,10 @@ each of its user turns with the conversation before it, ChatGPT's answers as wri
 "later": every turn but the first, the prompts a first-turn drafter has not seen): the
 ShareGPT package's train split holds ~7.5k first turns of <= 128 tokens; counting every
 turn, ~15k prompts of <= 512 tokens and ~23k of <= 1024 (from a sample of 3000
-conversations). Batched generation (in one program shape where compiles are slow: an
-accelerator); progress is saved after every batch and an interrupted run resumes; answers
-already cached for other prompt counts are reused.
+conversations). Turns "written": prompts the model writes itself (train/written.py), passed
+to generate_answers as token ids. Batched generation (in one program shape where compiles
+are slow: an accelerator); progress is saved after every batch and an interrupted run
+resumes; answers already cached for other prompt counts are reused.
 `dataset_replies` packs the conversations' own replies the same way (no generation).
 Every file is written whole or not at all; a damaged one is an error naming it.
 """
@@ -92,6 +93,7 @@ def later_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
 
 
 PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts, "later": later_turn_prompts}
+TURNS = (*PROMPTS, "written")  # written: prompts the model writes itself (train/written.py)
 
 
 def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len: int,
@@ -148,9 +150,11 @@ def generate_answers(
     reuse: Iterable[Path] = (),
     turns: str = "first",
     one_shape: bool | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> dict:
     """{"tokens" [N,prompt_len+new_tokens], "lengths" [N], "starts" [N]}, cached in `out`;
-    turns: a key of PROMPTS. Answers found in `reuse` (caches made with the same
+    turns: a key of PROMPTS (prompts: token ids to answer instead, conversations unread).
+    Answers found in `reuse` (caches made with the same
     new_tokens) or in an interrupted run's partial file are taken from there, not
     generated again. one_shape (None: where compiles are slow): every batch padded to
     `batch` prompts of prompt_len tokens, so its programs compile once (twice where
@@ -160,7 +164,9 @@ def generate_answers(
     if out.is_file():
         return load_npz(out)
     partial = out.with_suffix(".partial.npz")
-    prompts = PROMPTS[turns](model.tokenizer, conversations, n, prompt_len)
+    if prompts is None:
+        prompts = PROMPTS[turns](model.tokenizer, conversations, n, prompt_len)
+    prompts = [list(p) for p in prompts]
     prompts.sort(key=len)  # similar lengths batch together: less padding, few shapes
     unique = list(dict.fromkeys(map(tuple, prompts)))  # ShareGPT repeats prompts
     known: dict[tuple[int, ...], list[int]] = {}
