@@ -4,8 +4,8 @@ and the prompts range over what the model was tuned on (questions, e-mails to re
 texts to summarise, code), not one dataset's kind.
 
 Each batch decodes `batch` rows from the opening, sampled (WRITING); a row is kept when the
-model closed the turn (an end token) within the budget, its text is not empty, the chat
-template renders it in at most max_len tokens, and no earlier kept prompt is the same. The
+model closed the turn (an end token) within WRITE_TOKENS tokens, its text is not empty, the
+chat template renders it in at most max_len tokens, and no earlier kept prompt is the same. The
 prompts kept so far and the batches written are saved after every batch: a larger n or an
 interrupted run goes on from there, and batch i always uses seed + i, so the first n
 prompts do not depend on how many are asked for.
@@ -25,6 +25,7 @@ from jaxspec.sampling import Sampling
 from jaxspec.text import encode_prompt
 
 WRITING = Sampling(temperature=1.0, top_p=0.95)  # Magpie samples at temperature 1
+WRITE_TOKENS = 256  # the longest user turn written: a batch decodes until its last row closes
 MARK = "\x00written\x00"  # a message content no template contains
 
 
@@ -49,7 +50,7 @@ def written_prompts(model, out: Path, n: int, max_len: int, batch: int = 32,
     kept, batches = _load(out) if out.is_file() else ([], 0)
     seen = set(map(tuple, kept))
     eos = set(model.cfg.eos_token_ids)
-    budget = max_len - len(opening)  # a longer text cannot fit in max_len once templated
+    budget = min(max_len - len(opening), WRITE_TOKENS)  # longer: no room in max_len once templated
     if budget < 1:
         raise JaxspecError(f"--prompt-len {max_len} leaves no room after the chat template's "
                            f"{len(opening)}-token opening: raise it")  # fmt: skip
