@@ -88,7 +88,7 @@ def test_more_written_prompts_go_on_from_the_cache(model, tmp_path, written):
     assert len(written) == len(seeds)  # the last call read its cache only
 
 
-def test_written_prompts_need_a_chat_template_and_room(model, tmp_path):
+def test_written_prompts_need_a_chat_template_and_room(model, tiny_ckpt, tmp_path):
     plain = copy.copy(model)
     plain.tokenizer = copy.deepcopy(model.tokenizer)
     plain.tokenizer.chat_template = None
@@ -97,6 +97,9 @@ def test_written_prompts_need_a_chat_template_and_room(model, tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(JaxspecError, match="--prompt-len 1 leaves no room"):
         written_prompts(model, tmp_path / "w.npz", 2, 1)
+    mute = load_model(tiny_ckpt[0])  # one end token: it rarely closes a turn
+    with pytest.raises(JaxspecError, match="closed only .* usable user turns in 20 batches"):
+        written_prompts(mute, tmp_path / "mute.npz", 50, LEN, batch=2)
 
 
 def test_eagle_trains_on_prompts_the_model_wrote(chatty_ckpt, model, tmp_path, capsys):
