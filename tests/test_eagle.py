@@ -298,3 +298,34 @@ def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tm
     for wrong in (["--states", "cached"], ["--keep-vocab"]):  # no --init to keep it from
         with pytest.raises(SystemExit):
             eagle.parse_args([*tiny_training_args(tiny_ckpt[0], tmp_path / "c"), *flags, *wrong])
+
+
+def test_eagle_scores_the_answers_to_a_benchmarks_questions(tiny_ckpt, tmp_path):
+    """--eval-questions FILE: top-1 on the model's answers to the first turns of the first 5
+    questions of each category (first turns only; cached under a name of their prompts)."""
+    import json
+
+    import train.eagle as eagle
+    from jaxspec.text import encode_prompt
+    from tests.conftest import tiny_training_args, train_on_made_up_conversations
+
+    questions = tmp_path / "questions.jsonl"
+    rows = [(f"a{i}", "a", [f"w{5 + i} w9 w7", "w8 w8"]) for i in range(6)]
+    rows += [(f"b{i}", "b", [f"w{30 + i} w11"]) for i in range(2)]
+    questions.write_text("".join(json.dumps({"question_id": q, "category": c, "turns": t}) + "\n"
+                                 for q, c, t in rows))  # fmt: skip
+    args = [*tiny_training_args(tiny_ckpt[0], tmp_path), "--rows", "6", "--ttt", "2",
+            "--depth", "2", "--guess-vocab", "30", "--steps", "2", "--eval-every", "2",
+            "--eval-questions", str(questions)]  # fmt: skip
+    (report,) = train_on_made_up_conversations(eagle, args)
+    assert report["questions_answers"] == 7 and report["questions"] == str(questions)
+    accuracy = np.asarray(report["questions_topk_accuracy"])
+    assert accuracy.shape == (2, 5) and (np.diff(accuracy, axis=1) >= 0).all()
+    assert set(report["history"][-1]) == {"step", "test", "seen", "questions"}
+    (cache,) = (tmp_path / "work").rglob("questions-*-7-n24.npz")
+    data = np.load(cache)
+    model = jaxspec.load_model(tiny_ckpt[0])
+    firsts = [encode_prompt(model.tokenizer, t[0]) for _, c, t in rows[:5] + rows[6:]]
+    got = [row[:s].tolist() for row, s in zip(data["tokens"], data["starts"], strict=True)]
+    assert sorted(got) == sorted(firsts)
+    assert "questions of " + str(questions) in (tmp_path / "out/CARD.md").read_text()

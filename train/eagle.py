@@ -61,12 +61,15 @@ from .features import (
     with_states,
 )
 from .optim import apply_grads
-from .selfdata import TURNS
+from .selfdata import TURNS, question_answers
 from .skeleton import Result, Trainer
 
 STATES = ("cached", "live")  # where the training answers' states come from
 ANSWERS = ("self", "sharegpt")  # whose answers the drafter trains on
 LIVE_PRODUCTS = ("exact", "plain")  # the frozen model's products for live states
+
+
+EVAL_PER_CATEGORY = 5  # --eval-questions' questions per category
 
 
 def parse_args(argv):
@@ -123,6 +126,13 @@ def parse_args(argv):
         "--keep-vocab",
         action="store_true",
         help="with --init: guess among that drafter's draft vocabulary (--guess-vocab unused)",
+    )
+    p.add_argument(
+        "--eval-questions",
+        metavar="SOURCE",
+        help="also score top-1 on the model's answers to the first turns of the first "
+        f"{EVAL_PER_CATEGORY} questions of each category of SOURCE (what jaxspec-bench "
+        "--questions takes, e.g. a Spec-Bench .jsonl): how the drafter carries to that text",
     )
     p.add_argument(
         "--eval-every",
@@ -293,13 +303,22 @@ class Eagle(Trainer):
         self.width = window_width(self.train_f, args.ttt)
         n_seen = min(args.test_seqs, len(self.train_f["tokens"]))
         self.seen_f = first_answers(self.model, self.train_f, n_seen, self.stored, args.batch)
+        self.questions_f = None
+        if args.eval_questions:
+            answers = question_answers(self.model, self.shared, args.eval_questions,
+                                       EVAL_PER_CATEGORY, args.new_tokens,
+                                       args.answer_batch)  # fmt: skip
+            self.questions_f = with_states(self.model, answers, self.stored, args.batch)
 
     def accuracy(self, params) -> dict[str, np.ndarray]:
-        """Top-1..5 per step [K,5] on the test answers and on the first training ones."""
+        """Top-1..5 per step [K,5] on the test answers, the first training ones and
+        (--eval-questions) the answers to those questions."""
         scored = params if self.vocab is None else {**params, "vocab": self.vocab}
+        sets = {"test": self.test_f, "seen": self.seen_f, "questions": self.questions_f}
         return {
             split: evaluate(self.drafter, self.model.params, scored, data, self.args.ttt)
-            for split, data in (("test", self.test_f), ("seen", self.seen_f))
+            for split, data in sets.items()
+            if data is not None
         }
 
     def log_accuracy(self, step: int, accuracy: dict) -> list[dict]:
@@ -309,7 +328,8 @@ class Eagle(Trainer):
         history[step] = {"step": step, **entry}
         history = [history[k] for k in sorted(history)]
         run_record(self.work, self.args, {"history": history})
-        tqdm.write(f"step {step}: top-1 per step test {entry['test']}, seen {entry['seen']}")
+        shown = ", ".join(f"{split} {top1}" for split, top1 in entry.items())
+        tqdm.write(f"step {step}: top-1 per step {shown}")
         return history
 
     def fresh(self):
@@ -371,6 +391,11 @@ class Eagle(Trainer):
             ),
             "history": history,
         }
+        if self.questions_f is not None:
+            report["questions"] = args.eval_questions
+            report["questions_answers"] = len(self.questions_f["tokens"])
+            report["questions_topk_accuracy"] = [[round(float(x), 4) for x in row]
+                                                 for row in both["questions"]]  # fmt: skip
         params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), params)
         return Result(report, settings, params16, card(args, cfg, self.drafter, report),
                       self.test_f, data)  # fmt: skip
@@ -386,6 +411,12 @@ def card(args, cfg, drafter, report) -> str:
         for k, acc in enumerate(report["test_topk_accuracy"])
     )
     seen = " / ".join(f"{acc[0]:.3f}" for acc in report["seen_topk_accuracy"])
+    questions = ""
+    if "questions_topk_accuracy" in report:
+        top1 = " / ".join(f"{acc[0]:.3f}" for acc in report["questions_topk_accuracy"])
+        questions = (f"\nTop-1 per step on the base model's answers to the first turns of "
+                     f"{report['questions_answers']} questions of {report['questions']}\n"
+                     f"(`--eval-questions`): {top1}.\n")  # fmt: skip
     history = ""
     if report["history"]:
         lines = "".join(
@@ -445,7 +476,7 @@ base model's greedy tokens (earlier path tokens the true ones); step k = depth k
 Top-1 per step on the first {report["seen_answers"]} training answers (a training answer was
 drawn {report["draws_per_answer"]} times on average): {seen}. Its margin over the test split's
 is what the drafter remembers of the answers it trained on rather than what carries over.
-{history}"""
+{questions}{history}"""
 
 
 def main(argv=None) -> None:

@@ -18,6 +18,7 @@ Every file is written whole or not at all; a damaged one is an error naming it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxspec.compile_cache import compiles_are_slow
-from jaxspec.data.sources import ROLES, first_user_turn
+from jaxspec.data.sources import ROLES, first_user_turn, load_questions, select_questions
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
 from jaxspec.outputs import load_npz, save_npz
@@ -193,3 +194,24 @@ def generate_answers(
     save_npz(out, data)
     partial.unlink(missing_ok=True)
     return data
+
+
+QUESTION_PROMPT_LEN = 1024  # longer first turns are left out of question_answers
+
+
+def question_answers(model, root: Path, source: str, per_category: int, new_tokens: int,
+                     batch: int = ANSWER_BATCH) -> dict:  # fmt: skip
+    """The model's greedy answers to the first turns (<= QUESTION_PROMPT_LEN tokens) of the
+    first per_category questions of each category of `source` (what jaxspec-bench
+    --questions takes), packed as generate_answers packs them and cached in `root` under a
+    name that changes with the prompts: for scoring a drafter on a benchmark's kind of text."""
+    questions = select_questions(load_questions(source), None, per_category)
+    prompts = [encode_prompt(model.tokenizer, q.turns[0]) for q in questions]
+    prompts = [p for p in prompts if len(p) <= QUESTION_PROMPT_LEN]
+    if not prompts:
+        raise JaxspecError(f"no question of {source} has a first turn of <= "
+                           f"{QUESTION_PROMPT_LEN} tokens to score on")  # fmt: skip
+    digest = hashlib.sha1(repr(prompts).encode()).hexdigest()[:10]
+    out = root / f"questions-{digest}-{len(prompts)}-n{new_tokens}.npz"
+    return generate_answers(model, None, len(prompts), out, QUESTION_PROMPT_LEN, new_tokens,
+                            batch, prompts=prompts)  # fmt: skip
