@@ -72,8 +72,9 @@ def written_prompts(model, out: Path, n: int, max_len: int, batch: int = 32,
         save_npz(out, _packed(kept, batches))
         if batches >= 20 and len(kept) < batches:  # under 1 prompt in `batch` rows is kept
             raise JaxspecError(
-                f"the model closed only {len(kept)} usable user turns in {batches} batches: "
-                "raise --prompt-len (the writing budget), or pick other --turns"
+                f"the model closed only {len(kept)} usable user turns in {batches} batches "
+                f"(each at most {budget} tokens and {max_len} with the template): raise "
+                "--prompt-len if it is below ~300, or pick other --turns"
             )
     bar.close()
     return kept[:n]
