@@ -8,15 +8,18 @@ import pytest
 
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.models import load_model
-from jaxspec.text import encode_conversation
+from jaxspec.text import encode_conversation, encode_prompt
 from tests.test_medusa import conversations
 from train.features import answer_features, extract_sequences, layer_features
 from train.selfdata import (
+    GROUNDED,
+    MIN_TEXT_CHARS,
     answers_by_prompt,
     dataset_replies,
     every_turn_prompts,
     first_turn_prompts,
     generate_answers,
+    grounded_prompts,
     later_turn_prompts,
 )
 
@@ -289,3 +292,40 @@ def test_dataset_replies_follow_their_prompts(model):
     assert dataset_replies(tok, talks, 2, 100, 6, "every", eos)["tokens"].tolist() == (
         every["tokens"][:2].tolist()
     )
+
+
+def test_grounded_prompts_hand_back_the_first_reply(model, tmp_path, generated, monkeypatch):
+    """turns "grounded": prompt i is GROUNDED[i % 4] around a conversation's reply to its
+    first user turn, that turn the question; replies under MIN_TEXT_CHARS, unanswered first
+    turns, conversations opening with another role and prompts over max_len are left out
+    (and take no template's turn); answered as the other kinds are, cached under their name."""
+    import train.features as features
+
+    tok = model.tokenizer
+    text = lambda word, n: " ".join([word] * n)  # noqa: E731
+    long, short = text("w30", MIN_TEXT_CHARS // 3), text("w31", MIN_TEXT_CHARS // 4 - 1)
+    assert len(long) >= MIN_TEXT_CHARS > len(short)
+    chat = lambda q, a: [{"from": "human", "value": q}, {"from": "gpt", "value": a}]  # noqa: E731
+    talks = [
+        {"id": "a", "conversations": chat("w5 w6", long)},
+        {"id": "b", "conversations": chat("w7", short)},  # too short to work from
+        {"id": "c", "conversations": [{"from": "gpt", "value": long}]},  # no user turn first
+        {"id": "d", "conversations": [{"from": "human", "value": "w8"}]},  # no reply
+        {"id": "e", "conversations": chat("w9", text("w32", 200))},  # over max_len
+        {"id": "f", "conversations": chat("w10", long + " w33")},
+        {"id": "g", "conversations": chat("w11", long + " w34")},
+    ]
+    expected = [encode_prompt(tok, GROUNDED[i].format(text=reply, question=question))
+                for i, (question, reply) in enumerate(
+                    [("w5 w6", long), ("w10", long + " w33"), ("w11", long + " w34")])]  # fmt: skip
+    assert all(len(p) <= 150 for p in expected)
+    assert grounded_prompts(tok, talks, 10, 150) == expected
+    assert grounded_prompts(tok, talks, 2, 150) == expected[:2]
+    assert len(grounded_prompts(tok, talks, 10, 1000)) == 4  # e fits: f and g move on a template
+
+    monkeypatch.setattr(features, "sharegpt_split", lambda split: talks)
+    data = features.self_answers(model, tmp_path, "train", 3, prompt_len=150, new_tokens=6,
+                                 turns="grounded")  # fmt: skip
+    assert (tmp_path / "self-grounded-train-3-p150-n6.npz").is_file()
+    assert sorted(map(len, generated[0])) == sorted(map(len, expected))
+    assert sorted(answers_by_prompt(data)) == sorted(map(tuple, expected))

@@ -105,7 +105,7 @@ def test_written_prompts_need_a_chat_template_and_room(model, tiny_ckpt, tmp_pat
 def test_eagle_trains_on_prompts_the_model_wrote(chatty_ckpt, model, tmp_path, capsys):
     """`jaxspec-train eagle --turns written`: the answers are the model's own to the prompts
     it wrote (train split's stream, cached), the card says so; ShareGPT's replies need
-    ShareGPT's prompts."""
+    ShareGPT's own prompts (not written or grounded ones)."""
     import train.eagle as eagle
     from tests.conftest import one_line_error, tiny_training_args, train_on_made_up_conversations
     from train.cli import main
@@ -127,3 +127,5 @@ def test_eagle_trains_on_prompts_the_model_wrote(chatty_ckpt, model, tmp_path, c
     wrong = [*args[:-2], "--answers", "sharegpt", "--overwrite"]
     err = one_line_error(main, ["eagle", *wrong], capsys)
     assert "--answers sharegpt trains on ShareGPT's replies to its own prompts" in err
+    grounded = [*args[:-4], "--turns", "grounded", "--answers", "sharegpt", "--overwrite"]
+    assert "--turns grounded does not use" in one_line_error(main, ["eagle", *grounded], capsys)

@@ -88,9 +88,11 @@ def parse_args(argv):
         default="first",
         help="training prompts: first user turns, every user turn with the conversation "
         "before it (more prompts; raise --prompt-len, e.g. 1024), every turn but the first "
-        "(later: new prompts for a drafter trained on first turns), or user turns the model "
-        "writes itself (written: no dataset read, prompts of every kind it was tuned on); the "
-        "test split's stay ShareGPT's first turns",
+        "(later: new prompts for a drafter trained on first turns), a conversation's first "
+        "reply handed back with a request to summarise it or answer from it (grounded: "
+        "answers that copy from the prompt, as in summarisation and RAG; raise --prompt-len, "
+        "e.g. 768), or user turns the model writes itself (written: no dataset read, prompts "
+        "of every kind it was tuned on); the test split's stay ShareGPT's first turns",
     )
     p.add_argument(
         "--answers",
@@ -144,8 +146,9 @@ def parse_args(argv):
     args = parse(p, argv)
     if args.keep_vocab and args.init is None:
         p.error("--keep-vocab keeps the --init drafter's vocabulary: add --init DIR")
-    if args.answers == "sharegpt" and args.turns == "written":
-        p.error("--answers sharegpt trains on ShareGPT's replies to its own prompts: drop one")
+    if args.answers == "sharegpt" and args.turns in ("written", "grounded"):
+        p.error(f"--answers sharegpt trains on ShareGPT's replies to its own prompts, which "
+                f"--turns {args.turns} does not use: drop one")  # fmt: skip
     if args.answers == "sharegpt" and args.states == "cached":
         p.error("--answers sharegpt computes states live: leave out --states cached")
     args.states = args.states or ("live" if args.answers == "sharegpt" else "cached")
@@ -432,6 +435,8 @@ def card(args, cfg, drafter, report) -> str:
         "with the conversation before it",
         "later": f"{args.train_seqs} user turns after the first of ShareGPT train-split\n  "
         "conversations, each with the conversation before it",
+        "grounded": f"{args.train_seqs} ShareGPT train-split conversations' first replies, each "
+        "handed\n  back with a request to summarise it or answer the first turn from it",
         "written": f"{args.train_seqs} user turns the model wrote itself (train/written.py)",
     }[args.turns]
     answers = (

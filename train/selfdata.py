@@ -8,8 +8,11 @@ each of its user turns with the conversation before it, ChatGPT's answers as wri
 "later": every turn but the first, the prompts a first-turn drafter has not seen): the
 ShareGPT package's train split holds ~7.5k first turns of <= 128 tokens; counting every
 turn, ~15k prompts of <= 512 tokens and ~23k of <= 1024 (from a sample of 3000
-conversations). Turns "written": prompts the model writes itself (train/written.py), passed
-to generate_answers as token ids. Batched generation (in one program shape where compiles
+conversations). Turns "grounded": prompts that hand the model a text to work from, as
+summarisation and retrieval-augmented questions do (a conversation's first reply, with a
+request to summarise it or to answer the first turn from it: `grounded_prompts`). Turns
+"written": prompts the model writes itself (train/written.py), passed to generate_answers
+as token ids. Batched generation (in one program shape where compiles
 are slow: an accelerator); progress is saved after every batch and an interrupted run
 resumes; answers already cached for other prompt counts are reused.
 `dataset_replies` packs the conversations' own replies the same way (no generation).
@@ -93,7 +96,41 @@ def later_turn_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len
     return [ids for ids, _, _ in islice(_turns(tokenizer, conversations, max_len, "later"), n)]
 
 
-PROMPTS = {"first": first_turn_prompts, "every": every_turn_prompts, "later": later_turn_prompts}
+# Requests that hand the model a text (a conversation's first reply) to work from: answers
+# that copy from the prompt, as in summarisation and retrieval-augmented questions.
+GROUNDED = (
+    "Summarize the following text.\n\n{text}",
+    "{text}\n\nBased on the text above: {question}",
+    "Read this passage and list its main points.\n\n{text}",
+    "Answer the question using the reference below.\n\nReference:\n{text}\n\nQuestion: {question}",
+)
+MIN_TEXT_CHARS = 200  # shorter replies are too little to summarise or look things up in
+
+
+def grounded_prompts(tokenizer, conversations: Iterable[dict], n: int, max_len: int):
+    """Token ids of the first n usable grounded prompts of at most max_len tokens: prompt i
+    puts a conversation's reply to its first user turn (>= MIN_TEXT_CHARS characters) into
+    GROUNDED[i % len(GROUNDED)], the turn as the question."""
+    prompts = []
+    for conversation in conversations:
+        messages, reply = next(_user_turns(conversation), ([], None))
+        if not reply or len(reply) < MIN_TEXT_CHARS:
+            continue
+        request = GROUNDED[len(prompts) % len(GROUNDED)]
+        ids = encode_prompt(tokenizer, request.format(text=reply, question=messages[-1]["content"]))
+        if len(ids) <= max_len:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+PROMPTS = {
+    "first": first_turn_prompts,
+    "every": every_turn_prompts,
+    "later": later_turn_prompts,
+    "grounded": grounded_prompts,
+}
 TURNS = (*PROMPTS, "written")  # written: prompts the model writes itself (train/written.py)
 
 
