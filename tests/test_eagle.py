@@ -302,7 +302,8 @@ def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tm
 
 def test_eagle_scores_the_answers_to_a_benchmarks_questions(tiny_ckpt, tmp_path):
     """--eval-questions FILE: top-1 on the model's answers to the first turns of the first 5
-    questions of each category (first turns only; cached under a name of their prompts)."""
+    questions of each category (first turns only; cached under a name of their prompts),
+    overall and by category."""
     import json
 
     import train.eagle as eagle
@@ -322,10 +323,19 @@ def test_eagle_scores_the_answers_to_a_benchmarks_questions(tiny_ckpt, tmp_path)
     accuracy = np.asarray(report["questions_topk_accuracy"])
     assert accuracy.shape == (2, 5) and (np.diff(accuracy, axis=1) >= 0).all()
     assert set(report["history"][-1]) == {"step", "test", "seen", "questions"}
+    by_category = report["questions_top1_by_category"]
+    assert set(by_category) == {"a", "b"}  # a weighted mean of the two, step by step:
+    low, high = np.minimum(*by_category.values()), np.maximum(*by_category.values())
+    assert ((low - 1e-4 <= accuracy[:, 0]) & (accuracy[:, 0] <= high + 1e-4)).all()
+    hits = np.zeros((3, 2, 5))
+    hits[:, 0, 0] = [1, 3, 4]
+    got = eagle.by_category(hits, np.array([2, 4, 8]), np.array(["y", "x", "x"]))
+    assert list(got) == ["x", "y"] and got["x"][0] == 7 / 12 and got["y"][0] == 1 / 2
     (cache,) = (tmp_path / "work").rglob("questions-*-7-n24.npz")
     data = np.load(cache)
     model = jaxspec.load_model(tiny_ckpt[0])
     firsts = [encode_prompt(model.tokenizer, t[0]) for _, c, t in rows[:5] + rows[6:]]
     got = [row[:s].tolist() for row, s in zip(data["tokens"], data["starts"], strict=True)]
     assert sorted(got) == sorted(firsts)
-    assert "questions of " + str(questions) in (tmp_path / "out/CARD.md").read_text()
+    card = (tmp_path / "out/CARD.md").read_text()
+    assert "questions of " + str(questions) in card and "by category: a 0." in card

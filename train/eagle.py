@@ -134,7 +134,8 @@ def parse_args(argv):
         metavar="SOURCE",
         help="also score top-1 on the model's answers to the first turns of the first "
         f"{EVAL_PER_CATEGORY} questions of each category of SOURCE (what jaxspec-bench "
-        "--questions takes, e.g. a Spec-Bench .jsonl): how the drafter carries to that text",
+        "--questions takes, e.g. a Spec-Bench .jsonl), at the end also by category: how the "
+        "drafter carries to that text",
     )
     p.add_argument(
         "--eval-every",
@@ -224,7 +225,20 @@ def topk_hits(base, params, tokens, fused3, rows, labels, valid, *, drafter, ste
 
 def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
     """Top-1..5 accuracy per step [K,5] over every answer row of every test sequence."""
-    hits, total = np.zeros((steps, 5)), 0
+    hits, rows = sequence_hits(drafter, base, params, features, steps)
+    return hits.sum(0) / rows.sum()
+
+
+def by_category(hits: np.ndarray, rows: np.ndarray, categories: np.ndarray) -> dict:
+    """sequence_hits of sequences in `categories` [N] -> {category: top-1 per step [K]}, by
+    name."""
+    return {c: hits[categories == c, :, 0].sum(0) / rows[categories == c].sum()
+            for c in sorted(set(categories.tolist()))}  # fmt: skip
+
+
+def sequence_hits(drafter, base, params, features, steps: int):
+    """-> (hits at top-1..5 per step [N,K,5], answer rows scored [N]) of each sequence."""
+    hits, rows_scored = [], []
     width = window_width(features, steps)
     R = width - (steps - 1)  # rows padded to one shape: one compilation
     for n in range(len(features["tokens"])):
@@ -233,12 +247,12 @@ def evaluate(drafter, base, params, features, steps: int) -> np.ndarray:
         valid = jnp.asarray(np.arange(low, low + R) < high)[None]
         fused3, _ = cached_fused_and_last(features, np.array([n]), drafter.layers)
         labels = jnp.asarray(np.take_along_axis(features["predicted"][[n]], rows, 1))
-        hits += np.asarray(topk_hits(
+        hits.append(np.asarray(topk_hits(
             base, params, jnp.asarray(features["tokens"][[n]]), fused3, jnp.asarray(rows),
             labels, valid, drafter=drafter, steps=steps, width=width,
-        ))  # fmt: skip
-        total += int(valid.sum())
-    return hits / total
+        )))  # fmt: skip
+        rows_scored.append(int(valid.sum()))
+    return np.stack(hits), np.array(rows_scored)
 
 
 def first_answers(model, data: dict, n: int, layers: tuple[int, ...], batch: int) -> dict:
@@ -313,16 +327,22 @@ class Eagle(Trainer):
                                        args.answer_batch)  # fmt: skip
             self.questions_f = with_states(self.model, answers, self.stored, args.batch)
 
-    def accuracy(self, params) -> dict[str, np.ndarray]:
+    def accuracy(self, params, categories: bool = False) -> dict:
         """Top-1..5 per step [K,5] on the test answers, the first training ones and
-        (--eval-questions) the answers to those questions."""
+        (--eval-questions) the answers to those questions; categories: also their top-1 per
+        step [K] by question category ("questions_by_category")."""
         scored = params if self.vocab is None else {**params, "vocab": self.vocab}
-        sets = {"test": self.test_f, "seen": self.seen_f, "questions": self.questions_f}
-        return {
-            split: evaluate(self.drafter, self.model.params, scored, data, self.args.ttt)
-            for split, data in sets.items()
-            if data is not None
-        }
+        score = partial(sequence_hits, self.drafter, self.model.params, scored,
+                        steps=self.args.ttt)  # fmt: skip
+        result = {split: evaluate(self.drafter, self.model.params, scored, data, self.args.ttt)
+                  for split, data in (("test", self.test_f), ("seen", self.seen_f))}  # fmt: skip
+        if self.questions_f is not None:
+            hits, rows = score(self.questions_f)
+            result["questions"] = hits.sum(0) / rows.sum()
+            if categories:
+                result["questions_by_category"] = by_category(
+                    hits, rows, self.questions_f["categories"])  # fmt: skip
+        return result
 
     def log_accuracy(self, step: int, accuracy: dict) -> list[dict]:
         """Top-1 per step at `step` into the run's record -> the record's history."""
@@ -369,7 +389,8 @@ class Eagle(Trainer):
             "final_loss_per_step": [round(float(x), 4) for x in np.asarray(aux)],
         })  # fmt: skip
         params = state["params"]
-        both = self.accuracy(params)
+        both = self.accuracy(params, categories=True)
+        categories = both.pop("questions_by_category", None)
         accuracy = both["test"]
         history = record.get("history", [])  # --eval-every's, of every invocation
         if args.eval_every:
@@ -399,6 +420,9 @@ class Eagle(Trainer):
             report["questions_answers"] = len(self.questions_f["tokens"])
             report["questions_topk_accuracy"] = [[round(float(x), 4) for x in row]
                                                  for row in both["questions"]]  # fmt: skip
+            report["questions_top1_by_category"] = {
+                c: [round(float(x), 4) for x in top1] for c, top1 in categories.items()
+            }
         params16 = jax.tree.map(lambda x: np.asarray(x, np.float16), params)
         return Result(report, settings, params16, card(args, cfg, self.drafter, report),
                       self.test_f, data)  # fmt: skip
@@ -419,7 +443,10 @@ def card(args, cfg, drafter, report) -> str:
         top1 = " / ".join(f"{acc[0]:.3f}" for acc in report["questions_topk_accuracy"])
         questions = (f"\nTop-1 per step on the base model's answers to the first turns of "
                      f"{report['questions_answers']} questions of {report['questions']}\n"
-                     f"(`--eval-questions`): {top1}.\n")  # fmt: skip
+                     f"(`--eval-questions`): {top1}; at step 1 by category: "
+                     + ", ".join(f"{c} {acc[0]:.3f}"
+                                 for c, acc in report["questions_top1_by_category"].items())
+                     + ".\n")  # fmt: skip
     history = ""
     if report["history"]:
         lines = "".join(

@@ -241,14 +241,19 @@ def question_answers(model, root: Path, source: str, per_category: int, new_toke
     """The model's greedy answers to the first turns (<= QUESTION_PROMPT_LEN tokens) of the
     first per_category questions of each category of `source` (what jaxspec-bench
     --questions takes), packed as generate_answers packs them and cached in `root` under a
-    name that changes with the prompts: for scoring a drafter on a benchmark's kind of text."""
+    name that changes with the prompts: for scoring a drafter on a benchmark's kind of text.
+    "categories" [N] holds each row's question category (not cached)."""
     questions = select_questions(load_questions(source), None, per_category)
-    prompts = [encode_prompt(model.tokenizer, q.turns[0]) for q in questions]
-    prompts = [p for p in prompts if len(p) <= QUESTION_PROMPT_LEN]
+    category = {}
+    for q in questions:
+        category.setdefault(tuple(encode_prompt(model.tokenizer, q.turns[0])), q.category)
+    prompts = [list(p) for p in category if len(p) <= QUESTION_PROMPT_LEN]
     if not prompts:
         raise JaxspecError(f"no question of {source} has a first turn of <= "
                            f"{QUESTION_PROMPT_LEN} tokens to score on")  # fmt: skip
     digest = hashlib.sha1(repr(prompts).encode()).hexdigest()[:10]
     out = root / f"questions-{digest}-{len(prompts)}-n{new_tokens}.npz"
-    return generate_answers(model, None, len(prompts), out, QUESTION_PROMPT_LEN, new_tokens,
+    data = generate_answers(model, None, len(prompts), out, QUESTION_PROMPT_LEN, new_tokens,
                             batch, prompts=prompts)  # fmt: skip
+    rows = zip(data["tokens"], data["starts"], strict=True)
+    return {**data, "categories": np.array([category[tuple(r[:s].tolist())] for r, s in rows])}
