@@ -332,12 +332,11 @@ class Eagle(Trainer):
         (--eval-questions) the answers to those questions; categories: also their top-1 per
         step [K] by question category ("questions_by_category")."""
         scored = params if self.vocab is None else {**params, "vocab": self.vocab}
-        score = partial(sequence_hits, self.drafter, self.model.params, scored,
-                        steps=self.args.ttt)  # fmt: skip
         result = {split: evaluate(self.drafter, self.model.params, scored, data, self.args.ttt)
                   for split, data in (("test", self.test_f), ("seen", self.seen_f))}  # fmt: skip
         if self.questions_f is not None:
-            hits, rows = score(self.questions_f)
+            hits, rows = sequence_hits(self.drafter, self.model.params, scored,
+                                       self.questions_f, self.args.ttt)  # fmt: skip
             result["questions"] = hits.sum(0) / rows.sum()
             if categories:
                 result["questions_by_category"] = by_category(
