@@ -339,3 +339,16 @@ def test_eagle_scores_the_answers_to_a_benchmarks_questions(tiny_ckpt, tmp_path)
     assert sorted(got) == sorted(firsts)
     card = (tmp_path / "out/CARD.md").read_text()
     assert "questions of " + str(questions) in card and "by category: a 0." in card
+
+
+def test_feature_noise_is_in_proportion_to_each_element():
+    from train.eagle import noisy
+
+    scale = jnp.exp(jax.random.normal(jax.random.key(1), (2, 8, 3, 64)) * 3)  # outliers
+    fused3 = jax.random.normal(jax.random.key(0), (2, 8, 3, 64)) * scale
+    assert noisy(fused3, 0.0, jnp.uint32(5)) is fused3
+    a, b = (noisy(fused3, 0.1, jnp.uint32(seed)) for seed in (5, 6))
+    relative = (a - fused3) / fused3  # [2,8,3,64]
+    assert abs(float(relative.std()) - 0.1) < 0.01 and abs(float(relative.mean())) < 0.01
+    assert np.array_equal(a, noisy(fused3, 0.1, jnp.uint32(5)))  # the step's seed decides
+    assert not np.allclose(a, b)

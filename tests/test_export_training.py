@@ -155,9 +155,9 @@ def chimera(tmp, monkeypatch, argv=()) -> dict:
     return programs
 
 
-def eagle(tmp, monkeypatch, states="cached", products="exact") -> dict:
+def eagle(tmp, monkeypatch, states="cached", products="exact", argv=()) -> dict:
     """states "live": the training answers' states made at every step (live_states), in
-    `products` (--live-products)."""
+    `products` (--live-products); argv: more flags."""
     programs = {}
     record(monkeypatch, programs, train.eagle, "live_states", stop=False)
     record(monkeypatch, programs, train.eagle, "train_step")
@@ -172,7 +172,7 @@ def eagle(tmp, monkeypatch, states="cached", products="exact") -> dict:
     monkeypatch.setattr(train.eagle, "layer_features", layer_features)
     monkeypatch.setattr(train.eagle, "self_answers", lambda *args: made_up_answers())
     argv = ["--ttt", "2", "--rows", "4", "--guess-vocab", "32", "--states", states,
-            *(["--live-products", products] if states == "live" else [])]  # fmt: skip
+            *(["--live-products", products] if states == "live" else []), *argv]  # fmt: skip
     trainer, manager, state = started(train.eagle, train.eagle.Eagle, argv, tmp)
     step(trainer, state)
     assert ("live_states" in programs) == (states == "live")
@@ -244,6 +244,7 @@ TRAINERS = {
     "eagle": (eagle, {"train_step", "topk_hits"}),
     "eagle-live": (partial(eagle, states="live"), {"live_states", "train_step"}),
     "eagle-live-plain": (partial(eagle, states="live", products="plain"), {"live_states"}),
+    "eagle-noise": (partial(eagle, argv=["--feature-noise", "0.1"]), {"train_step"}),
     "sdsat-full": (sdsat_full, {"full_step"}),
     "sdsat-full-basic": (partial(sdsat_full, loss="basic"), {"full_step"}),
     "ppd": (ppd, {"layer_states", "train_step", "match_hits"}),

@@ -26,6 +26,7 @@ LATER_FLAGS = {
     "turns": "first",
     "answers": "self",
     "keep_vocab": False,
+    "feature_noise": 0.0,
 }
 
 

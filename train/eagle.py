@@ -14,7 +14,8 @@ states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training
    enters as committed entries), step k feeding each position step k-1's output as its
    feature. At --rows answer positions per sequence every step's guess
    is scored against the base model's next-token distribution there, restricted to the
-   draft vocabulary (cross-entropy), step k weighted --decay**(k-1).
+   draft vocabulary (cross-entropy), step k weighted --decay**(k-1); --feature-noise
+   perturbs the model's fused states (training only).
 3. Orbax checkpoints every --save-every steps; a rerun resumes.
 4. Evaluation on the test split: top-1..5 accuracy per step against the greedy token
    (earlier path tokens the true ones), searched trees; the same on as many of the training
@@ -34,7 +35,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxspec.cli import nonnegative_int, positive_float, positive_int
+from jaxspec.cli import nonnegative_float, nonnegative_int, positive_float, positive_int
 from jaxspec.drafters.eagle import (
     DEFAULT_DEPTH,
     EagleDrafter,
@@ -81,6 +82,15 @@ def parse_args(argv):
     p.add_argument("--rows", type=positive_int, default=48, help="scored positions per sequence")
     p.add_argument(
         "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
+    )
+    p.add_argument(
+        "--feature-noise",
+        type=nonnegative_float,
+        default=0.0,
+        metavar="SIGMA",
+        help="training only: each element of the model's fused states times 1 + SIGMA * "
+        "N(0,1) (EAGLE's data noise, in proportion: the drafter cannot key on the exact "
+        "states of the answers it has seen; 0: none)",
     )
     p.add_argument(
         "--turns",
@@ -165,6 +175,15 @@ def fused_and_last(states, stored: tuple[int, ...], layers: tuple[int, ...]):
     return states[:, :, [stored.index(n) for n in layers]], states[:, :, -1]
 
 
+def noisy(fused3, sigma: float, seed):
+    """fused3 [B,T,3,D], each element times 1 + sigma * N(0, 1) (seed: a uint32 scalar, the
+    step's): noise in proportion to each element, since a few of the residual stream's
+    elements are ~100x the rest; sigma 0: fused3 itself."""
+    if sigma == 0:
+        return fused3
+    return fused3 * (1 + sigma * jax.random.normal(jax.random.key(seed), fused3.shape))
+
+
 def cached_fused_and_last(features: dict, seqs, layers: tuple[int, ...]):
     """fused_and_last of sequences `seqs` of a layer_features cache."""
     stored = tuple(features["layers"].tolist())
@@ -199,10 +218,11 @@ def teacher(base, cfg, last, rows, vocab):
     return jax.nn.softmax(logits, -1)[:, :, None]
 
 
-@partial(jax.jit, static_argnames=("drafter", "optimizer", "steps", "width"))
-def train_step(state, base, tokens, fused3, last, rows, weights, vocab, *, drafter, optimizer,
-               steps, width):  # fmt: skip
+@partial(jax.jit, static_argnames=("drafter", "optimizer", "steps", "width", "noise"))
+def train_step(state, base, tokens, fused3, last, rows, weights, vocab, seed, *, drafter,
+               optimizer, steps, width, noise):  # fmt: skip
     target = teacher(base, drafter.cfg, last, rows, vocab)
+    fused3 = noisy(fused3, noise, seed)
 
     def loss_fn(params):
         p = params if vocab is None else {**params, "vocab": vocab}
@@ -372,8 +392,8 @@ class Eagle(Trainer):
             fused3, last = cached_fused_and_last(self.train_f, seqs, self.drafter.layers)
         state, aux = train_step(
             state, self.model.params, tokens, fused3, last, jnp.asarray(rows), self.weights,
-            self.vocab, drafter=self.drafter, optimizer=self.optimizer, steps=args.ttt,
-            width=self.width,
+            self.vocab, jnp.uint32(rng.integers(1 << 32)), drafter=self.drafter,
+            optimizer=self.optimizer, steps=args.ttt, width=self.width, noise=args.feature_noise,
         )  # fmt: skip
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             self.log_accuracy(step + 1, self.accuracy(state["params"]))
@@ -470,6 +490,9 @@ def card(args, cfg, drafter, report) -> str:
         if args.answers == "self"
         else "the conversations' own (ChatGPT's) replies"
     )
+    noise = ""
+    if args.feature_noise:
+        noise = f", the fused states' elements times 1 + {args.feature_noise:g} N(0,1)"
     vocab = "the whole vocabulary"
     if args.keep_vocab or args.guess_vocab:
         source = (
@@ -491,7 +514,7 @@ def card(args, cfg, drafter, report) -> str:
 - Training: {report["steps"]} steps of {args.batch} sequences, training-time test over
   {args.ttt} steps, {args.rows} scored positions per sequence, cross-entropy to the model's
   next-token distribution over the draft vocabulary, step weights {args.decay}**(k-1), AdamW
-  lr {args.lr} cosine; {report.get("train_minutes")} minutes of training on the machine
+  lr {args.lr} cosine{noise}; {report.get("train_minutes")} minutes of training on the machine
   that trained it.
 - Final training loss per step: {report.get("final_loss_per_step")}
 - Draft vocabulary: {vocab}.
