@@ -70,13 +70,14 @@ def sequence_pass(drafter, params, dp, tokens):
     return training_outputs(drafter, params, dp, tokens, features, 1)[0], states
 
 
-def test_cached_entries_equal_a_whole_sequence_pass(model):
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_cached_entries_equal_a_whole_sequence_pass(model, blocks):
     """advance() over a prompt in two chunks, then an accepted path: the root entry's
     output is the whole-sequence pass's at that position."""
     from jaxspec.drafters.base import DraftInputs, Entered
 
     cfg, params = model.cfg, model.params
-    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3, blocks)
     dp = trained_like(drafter, params)
     tokens = jnp.asarray([[5, 9, 7, 11, 5, 8, 30, 8, 9, 10]])
     y, states = sequence_pass(drafter, params, dp, tokens)
@@ -91,11 +92,12 @@ def test_cached_entries_equal_a_whole_sequence_pass(model):
         np.testing.assert_allclose(state.newest[0], y[0, stop], rtol=2e-4, atol=2e-4)
 
 
-def test_training_time_test_is_drafting_along_the_true_path(model):
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_training_time_test_is_drafting_along_the_true_path(model, blocks):
     """Step k of training at position i = the static chain's depth-(k-1) node whose path
     is the true tokens: drafting a chain with the true tokens forced gives the same output."""
     cfg, params = model.cfg, model.params
-    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3, blocks)
     dp = trained_like(drafter, params, seed=1)
     tokens = jnp.asarray([[5, 9, 7, 11, 5, 8, 30, 8, 9, 10]])
     _, states = sequence_pass(drafter, params, dp, tokens)
@@ -109,8 +111,7 @@ def test_training_time_test_is_drafting_along_the_true_path(model):
     st = drafter.advance(params, dp, DraftInputs({}, tokens[:, p], jnp.array([p]), None, None,
                                                  entered=entered, state=st))  # fmt: skip
     feature, ks, vs = st.newest[:, None], None, None
-    K, H = cfg.n_kv_heads, cfg.head_dim
-    ks = vs = jnp.zeros((1, K, 0, H))
+    ks = vs = jnp.zeros((1, drafter.kv_heads, 0, cfg.head_dim))
     for depth in (1, 2):  # nodes x_{p+1}, x_{p+2} forced to the true tokens
         above = jnp.ones((1, 1, ks.shape[2]), bool)
         y, k, v = drafter.expand(params, dp, st, jnp.array([p]), tokens[:, p + depth, None],
@@ -119,12 +120,13 @@ def test_training_time_test_is_drafting_along_the_true_path(model):
         feature, ks, vs = y, jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
 
 
-def test_training_window_is_the_whole_sequence_pass_there(model):
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_training_window_is_the_whole_sequence_pass_there(model, blocks):
     """The layer run on a window of each sequence (first [B], width W) gives the
     whole-sequence outputs at every window position whose path lies inside it (step k:
     from first+k-1 on): the prompt before the window enters as committed entries only."""
     cfg, params = model.cfg, model.params
-    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3, blocks)
     dp = trained_like(drafter, params, seed=3)
     tokens = jnp.asarray([[5, 9, 7, 11, 5, 8, 30, 8, 9, 10, 12, 6],
                           [8, 30, 8, 9, 5, 9, 7, 11, 14, 6, 5, 7]])  # fmt: skip
@@ -187,6 +189,35 @@ def test_dynamic_tree_is_the_n_best_of_all_scored(model):
 def test_eagle_settings_round_trip():
     s = EagleSettings(layers=(2, 15, 27))
     assert EagleSettings.from_json(s.to_json(), "x") == s
+    old = EagleSettings.from_json({"layers": [2, 15, 27], "depth": 6}, "x")  # before --blocks
+    assert old.blocks == 1
+
+
+def test_two_block_drafter_decodes_ars_tokens(model, tmp_path):
+    """A drafter of two blocks (random weights, saved and loaded): static and dynamic trees
+    decode AR's tokens; grown from a one-block drafter it drafts what that one drafts."""
+    from jaxspec.drafters.store import save_drafter
+
+    one, two = (EagleDrafter(model.cfg, (1, 1, 2), 3, b) for b in (1, 2))
+    dp = trained_like(two, model.params, seed=4)
+    assert len(dp["upper"]) == 1 and two.kv_heads == 2 * model.cfg.n_kv_heads
+    save_drafter(tmp_path / "two", "eagle", EagleSettings(layers=(1, 1, 2), depth=3, blocks=2),
+                 dp, model.cfg, "untrained")  # fmt: skip
+    one_p = {k: v for k, v in dp.items() if k != "upper"}
+    save_drafter(tmp_path / "one", "eagle", EagleSettings(layers=(1, 1, 2), depth=3), one_p,
+                 model.cfg, "untrained")  # fmt: skip
+    grown = {**one_p, "upper": two.init(model.params)["upper"]}  # silent second block
+    save_drafter(tmp_path / "grown", "eagle", EagleSettings(layers=(1, 1, 2), depth=3, blocks=2),
+                 grown, model.cfg, "untrained")  # fmt: skip
+    ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
+    for tree in ("chain-3", "cpu-8", "dynamic-8"):
+        got = jaxspec.Generator(model, "eagle", drafter=tmp_path / "two", tree=tree).generate(
+            PROMPTS, max_new_tokens=16
+        )
+        assert [r.token_ids for r in got] == [r.token_ids for r in ar], tree
+    runs = [jaxspec.Generator(model, "eagle", drafter=tmp_path / name, tree="dynamic-8")
+            .generate(PROMPTS, max_new_tokens=16) for name in ("one", "grown")]  # fmt: skip
+    assert [r.accepted for r in runs[0]] == [r.accepted for r in runs[1]]
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +272,31 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
             PROMPTS, max_new_tokens=16
         )
         assert [r.token_ids for r in got] == [r.token_ids for r in ar], tree
+
+
+def test_eagle_grows_a_block_from_a_trained_drafter(trained_eagle, tmp_path):
+    """--init a one-block drafter with --blocks 2: it starts where that drafter ended (its
+    step-0 accuracy), trains, and ships a two-block drafter that decodes AR's tokens."""
+    import json
+
+    import train.eagle as eagle
+    from tests.conftest import tiny_training_args, train_on_made_up_conversations
+
+    out, _, second, ckpt, _ = trained_eagle
+    args = [*tiny_training_args(ckpt, tmp_path), "--rows", "6", "--ttt", "3", "--depth", "3",
+            "--init", str(out), "--keep-vocab", "--blocks", "2", "--steps", "2",
+            "--eval-every", "2"]  # fmt: skip
+    (grown,) = train_on_made_up_conversations(eagle, args)
+    start = grown["history"][0]["test"]  # the float16 weights of the drafter it started from
+    np.testing.assert_allclose(start, [acc[0] for acc in second["test_topk_accuracy"]], atol=0.03)
+    assert json.loads((tmp_path / "out/drafter.json").read_text())["settings"]["blocks"] == 2
+    assert "2 decoder layers in turn" in (tmp_path / "out/CARD.md").read_text()
+    model = jaxspec.load_model(ckpt, dtype="float32")
+    ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
+    got = jaxspec.Generator(model, "eagle", drafter=tmp_path / "out", tree="dynamic-8").generate(
+        PROMPTS, max_new_tokens=16
+    )
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
 
 
 def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):

@@ -51,14 +51,16 @@ def params():
     return init_params(CFG, jax.random.key(0))
 
 
-def generator(method: str, tree: str, how: Sampling, **options) -> SpeculativeGenerator:
+def generator(method: str, tree: str, how: Sampling, settings=None,
+              **options) -> SpeculativeGenerator:  # fmt: skip
     if method == "ar":
         return SpeculativeGenerator(CFG, params(), sampling=how)
     spec = tree_preset(tree)
-    drafter = make_drafter(method, CFG, SETTINGS[method], **options)
+    settings = settings or SETTINGS[method]
+    drafter = make_drafter(method, CFG, settings, **options)
     weights = drafter.init(params(), jax.random.key(1))
     weights = drafter.prepare(params(), weights, DATA.get(method, {}))
-    drafter = drafter.for_tree(spec, SETTINGS[method], DATA.get(method, {}))
+    drafter = drafter.for_tree(spec, settings, DATA.get(method, {}))
     return SpeculativeGenerator(CFG, params(), drafter, weights, spec, how)
 
 
@@ -73,6 +75,15 @@ def test_export_decoding_programs(method, tree, how):
     assert {p for programs in exported.values() for p in programs} == set(export.ACCELERATORS)
     if method == "sdsat" and "redraft" in plan:
         assert "redraft" in exported  # SDSAT's draft step, a program of its own
+
+
+@pytest.mark.parametrize("tree", ["comb-2-2", "dynamic-8"])
+def test_export_eagle_of_two_blocks(tree):
+    settings = dataclasses.replace(SETTINGS["eagle"], blocks=2)
+    gen = generator("eagle", tree, Sampling(), settings)
+    plan = gen.lowerings(*gen.example_inputs(2, 16, 64))
+    exported = export.export_all({k: plan[k] for k in ("prefill", "step")})
+    assert set(exported["step"]) == set(export.ACCELERATORS)
 
 
 @pytest.mark.parametrize("method", ["ar", "chimera"])

@@ -133,25 +133,27 @@ def base_params(cfg=CFG4):
 
 
 def method_generator(
-    method: str, mesh=None, sampling=None, params=None, cfg=CFG4, tree="comb-2-2", retrieval=0
-) -> SpeculativeGenerator:
+    method: str, mesh=None, sampling=None, params=None, cfg=CFG4, tree="comb-2-2", retrieval=0,
+    settings=None,
+) -> SpeculativeGenerator:  # fmt: skip
     """A generator of `method` with random drafter weights (losslessness does not depend
     on their quality) on `cfg`, on `mesh` or one device; retrieval: lookup's continuations
-    joining its dynamic tree."""
+    joining its dynamic tree; settings: the drafter's (default: the export tests')."""
     from jaxspec.methods import make_drafter
     from tests.test_export import DATA, SETTINGS
 
     params = base_params(cfg) if params is None else params
     if method == "ar":
         return SpeculativeGenerator(cfg, params, sampling=sampling, mesh=mesh)
-    drafter = make_drafter(method, cfg, SETTINGS[method])
+    settings = settings or SETTINGS[method]
+    drafter = make_drafter(method, cfg, settings)
     weights = drafter.init(base_params(cfg), jax.random.key(1))
     weights = jax.tree.map(lambda w: w + 0.05 * jnp.sin(jnp.arange(w.size).reshape(w.shape)),
                            weights)  # fmt: skip
     data = DATA.get(method, {})
     weights = drafter.prepare(params, weights, data)
-    tree = drafter.select_tree(tree, SETTINGS[method])
-    drafter = drafter.for_tree(tree, SETTINGS[method], data)
+    tree = drafter.select_tree(tree, settings)
+    drafter = drafter.for_tree(tree, settings, data)
     if retrieval:
         drafter = RetrievalDrafter(drafter, retrieval)
     return SpeculativeGenerator(cfg, params, drafter, weights, tree, sampling, mesh=mesh)
@@ -209,6 +211,22 @@ def test_dynamic_trees_on_a_mesh_give_one_devices_tokens(method, retrieval):
     one = method_generator(method, **kw).generate_batch(PROMPTS, 16, seed=3)
     mesh = make_mesh({"data": 2, "model": 2})
     got = method_generator(method, mesh, **kw).generate_batch(PROMPTS, 16, seed=3)
+    assert [r.token_ids for r in got] == [r.token_ids for r in one] == one_device_tokens("ar")
+    assert [r.steps for r in got] == [r.steps for r in one]
+
+
+@pytest.mark.parametrize("tree", ["comb-2-2", "dynamic-6"])
+def test_eagle_of_two_blocks_on_a_mesh_gives_one_devices_tokens(tree):
+    """Its blocks' keys and values, interleaved by kv head, split over `model` like the
+    model's cache."""
+    from tests.test_export import SETTINGS
+
+    two = dataclasses.replace(SETTINGS["eagle"], blocks=2)
+    one = method_generator("eagle", tree=tree, settings=two).generate_batch(PROMPTS, 16, seed=3)
+    mesh = make_mesh({"data": 2, "model": 2})
+    got = method_generator("eagle", mesh, tree=tree, settings=two).generate_batch(
+        PROMPTS, 16, seed=3
+    )
     assert [r.token_ids for r in got] == [r.token_ids for r in one] == one_device_tokens("ar")
     assert [r.steps for r in got] == [r.steps for r in one]
 

@@ -27,6 +27,7 @@ LATER_FLAGS = {
     "answers": "self",
     "keep_vocab": False,
     "feature_noise": 0.0,
+    "blocks": 1,
 }
 
 
@@ -84,12 +85,14 @@ def resume(work: Path, args, state):
     )
 
 
-def initial_params(args, method: str, cfg, fresh):
+def initial_params(args, method: str, cfg, fresh, grown: tuple[str, ...] = ()):
     """`fresh` (a new drafter's params), or with --init DIR that drafter's weights in float32,
-    which must have the same structure and shapes (same heads, n-gram size, ...)."""
+    which must have the same structure and shapes (same heads, n-gram size, ...); a `grown`
+    entry of `fresh` that drafter lacks (a part the flags add) is taken from `fresh`."""
     if getattr(args, "init", None) is None:
         return fresh
     loaded = load_drafter(args.init, method, cfg).params
+    loaded = {**{k: fresh[k] for k in grown if k in fresh and k not in loaded}, **loaded}
     same = jax.tree.structure(loaded) == jax.tree.structure(fresh) and jax.tree.all(
         jax.tree.map(lambda a, b: a.shape == b.shape, loaded, fresh)
     )

@@ -1,5 +1,6 @@
-"""jaxspec-train eagle: the EAGLE-class drafter (one decoder layer on fused low/middle/high
-states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training-time test.
+"""jaxspec-train eagle: the EAGLE-class drafter (one decoder layer, or --blocks of them, on
+fused low/middle/high states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's
+training-time test.
 
 1. Data: the base model's own greedy answers to ShareGPT train-split prompts (shared with
    the other trainers; `--answers sharegpt`: the conversations' own replies, which cost no
@@ -16,7 +17,9 @@ states, jaxspec/drafters/eagle.py) on a frozen base model, by EAGLE-3's training
    is scored against the base model's next-token distribution there, restricted to the
    draft vocabulary (cross-entropy), step k weighted --decay**(k-1); --feature-noise
    perturbs the model's fused states (training only).
-3. Orbax checkpoints every --save-every steps; a rerun resumes.
+3. Orbax checkpoints every --save-every steps; a rerun resumes. --init with more --blocks
+   than that drafter has adds blocks that start as the identity (zero output projections):
+   the grown drafter starts where the smaller one ended.
 4. Evaluation on the test split: top-1..5 accuracy per step against the greedy token
    (earlier path tokens the true ones), searched trees; the same on as many of the training
    answers ("seen": the gap to the test split is what the drafter memorised, not learned);
@@ -80,6 +83,13 @@ def parse_args(argv):
         "--depth", type=positive_int, default=DEFAULT_DEPTH, help="deepest dynamic tree drafted"
     )
     p.add_argument("--rows", type=positive_int, default=48, help="scored positions per sequence")
+    p.add_argument(
+        "--blocks",
+        type=positive_int,
+        default=1,
+        help="decoder blocks in the drafter (EAGLE's: 1; each more one costs about one more "
+        "block per drafted depth, and ~5.3 MB at 135M in float16)",
+    )
     p.add_argument(
         "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
     )
@@ -296,6 +306,7 @@ def kept_vocab(args, cfg) -> np.ndarray:
 
 class Eagle(Trainer):
     method = "eagle"
+    grown = ("upper",)  # --init from a drafter of one block: blocks 2.. start silent
 
     def __init__(self, args, model):
         super().__init__(args, model)
@@ -304,7 +315,7 @@ class Eagle(Trainer):
 
     def prepare(self) -> None:
         args, cfg = self.args, self.cfg
-        self.drafter = EagleDrafter(cfg, fused_layers(cfg), args.depth)
+        self.drafter = EagleDrafter(cfg, fused_layers(cfg), args.depth, args.blocks)
 
         def load(split: str, n: int, turns: str = "first") -> dict:
             return layer_features(self.model, self.shared, split, n, args.prompt_len,
@@ -415,7 +426,8 @@ class Eagle(Trainer):
         if args.eval_every:
             history = self.log_accuracy(int(state["step"]), both)
         settings = EagleSettings(
-            layers=self.drafter.layers, depth=args.depth, trees=searched_trees(accuracy),
+            layers=self.drafter.layers, depth=args.depth, blocks=args.blocks,
+            trees=searched_trees(accuracy),
             cpu_tree="chain-1", gpu_tree="dynamic-64",
         )  # fmt: skip
         data, coverage = {}, None
@@ -502,12 +514,16 @@ def card(args, cfg, drafter, report) -> str:
         )
         share = report["draft_vocab_test_coverage"]
         vocab = f"{source}, covering {share:.1%} of the test answers' tokens"
+    blocks = "One decoder layer (initialised from the base model's last layer)"
+    if args.blocks > 1:
+        blocks = (f"{args.blocks} decoder layers in turn (initialised from the base model's last "
+                  "layer,\n  those past the first with zero output projections)")  # fmt: skip
     return f"""# EAGLE-class drafter for {cfg.name}
 
-- One decoder layer (initialised from the base model's last layer) on
+- {blocks} on
   [norm(token embedding) ; norm(feature)] -> Linear(2D->D); the feature of a committed
   token fuses the model's states after layers {", ".join(map(str, drafter.layers))} (Linear(3D->D)),
-  a drafted token's is the layer's own output at its parent. Own final norm, the model's
+  a drafted token's is the drafter's own output at its parent. Own final norm, the model's
   frozen lm_head over the draft vocabulary. Weights stored in float16.
 - Data: {answers} to {prompts} (prompts <= {args.prompt_len}
   tokens, answers <= {args.new_tokens}).

@@ -65,6 +65,7 @@ class Trainer:
     wrote: ClassVar[str] = "wrote the drafter to {out}"  # the last line printed
 
     data_parallel: ClassVar[bool] = False  # `step` splits its batch over `data` (split_batch)
+    grown: ClassVar[tuple[str, ...]] = ()  # params --init's drafter may lack (initial_params)
 
     def __init__(self, args, model):
         """Subclasses check here the flags that depend on the model (before any folder)."""
@@ -139,7 +140,7 @@ class Trainer:
     def start(self):
         """-> (checkpoint manager, {"params", "opt_state", "step"}): the run's latest saved
         state, else `fresh()` (or --init's weights) with a new optimizer state."""
-        params = initial_params(self.args, self.method, self.cfg, self.fresh())
+        params = initial_params(self.args, self.method, self.cfg, self.fresh(), self.grown)
         manager, state = resume_training(self.work, self.args, params, self.optimizer)
         return manager, self.replicated(state)
 

@@ -1,5 +1,5 @@
-"""EAGLE-class drafter: one decoder layer drafting autoregressively at the feature level
-(EAGLE-3's inputs and training, EAGLE-2's dynamic trees).
+"""EAGLE-class drafter: one decoder layer (or a few: `blocks`) drafting autoregressively at
+the feature level (EAGLE-3's inputs and training, EAGLE-2's dynamic trees).
 
 An *entry* of the layer is a token position i with two inputs: the token x_i's embedding
 and a feature f_i [D]. For a committed token f_i fuses the model's states at the position
@@ -7,10 +7,14 @@ before, f_i = Linear(3D->D)([h^low_{i-1} ; h^mid_{i-1} ; h^high_{i-1}]) (EAGLE-3
 middle and high layers, `layers`); for a drafted token it is the layer's own output at its
 parent's entry. The entry's input x_i = Linear(2D->D)([norm(e_i) ; norm(f_i)]) runs through
 one Llama decoder block (initialised from the model's last block) at rotary position i,
-attending to the committed entries (the drafter's own KV cache, one layer) and to the
-entries of its drafted ancestors. Its output y_i, through the drafter's final norm and the
-model's frozen lm_head (restricted to a draft vocabulary when the folder ships one), guesses
-x_{i+1}, and is the feature of x_{i+1}'s entry when x_{i+1} is drafted.
+attending to the committed entries (the drafter's own KV cache) and to the entries of its
+drafted ancestors. A drafter of several blocks runs them in turn, each with its own keys and
+values (stored interleaved on the kv-head axis: head k of block b at k*blocks+b, so a mesh
+splitting kv heads keeps a head's blocks together); a block beyond the first starts with
+zero output projections, so it adds nothing until trained. The output y_i, through the
+drafter's final norm and the model's frozen lm_head (restricted to a draft vocabulary when
+the folder ships one), guesses x_{i+1}, and is the feature of x_{i+1}'s entry when x_{i+1}
+is drafted.
 
 Generation: when tokens enter the model's cache (prefill, or a verify step's accepted path)
 the entries up to the new root x_p are written to the drafter's cache (`advance`; entry p
@@ -60,9 +64,9 @@ def fused_layers(cfg: LlamaConfig) -> tuple[int, int, int]:
 @flax.struct.dataclass
 class EagleState:
     tokens: jax.Array  # [B,S] every committed token, and the current one
-    keys: jax.Array  # [B,K,S,H] the layer's keys/values of the committed entries (slot = position)
+    keys: jax.Array  # [B,K*blocks,S,H] the committed entries' keys/values (slot = position)
     values: jax.Array
-    newest: jax.Array  # [B,D] the layer's output at the current token's entry
+    newest: jax.Array  # [B,D] the drafter's output at the current token's entry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +75,7 @@ class EagleSettings(DrafterSettings):
 
     layers: tuple[int, int, int]  # the fused layer counts (low, middle, high)
     depth: int = DEFAULT_DEPTH  # the deepest a dynamic tree drafts
+    blocks: int = 1  # decoder blocks in the drafter
 
     DATA = ("draft_vocab",)
 
@@ -80,6 +85,7 @@ class EagleDrafter(Drafter):
     cfg: LlamaConfig  # the base model's
     layers: tuple[int, int, int] = (2, 15, 27)
     depth: int = DEFAULT_DEPTH
+    blocks: int = 1
 
     def __post_init__(self):
         if len(self.layers) != 3 or not all(1 <= n <= self.cfg.n_layers for n in self.layers):
@@ -87,6 +93,8 @@ class EagleDrafter(Drafter):
                 f"EAGLE fuses three layer counts within 1..{self.cfg.n_layers}, got "
                 f"{self.layers}; retrain the drafter for this model"
             )
+        if self.blocks < 1:
+            raise JaxspecError(f"an EAGLE drafter has at least one block, got {self.blocks}")
 
     @property
     def collect(self) -> tuple[int, ...]:
@@ -98,12 +106,16 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def from_settings(cls, cfg, settings: EagleSettings, **options) -> EagleDrafter:
-        return cls(cfg, tuple(settings.layers), settings.depth)
+        return cls(cfg, tuple(settings.layers), settings.depth, settings.blocks)
 
     def init(self, base_params, key=None) -> dict:
         D = self.cfg.dim
         eye, zeros = jnp.eye(D), jnp.zeros((D, D))
         as_f32 = lambda tree: jax.tree.map(lambda x: jnp.array(x, jnp.float32), tree)  # noqa: E731
+        last = as_f32(base_params["layers"][-1])
+        silent = {**last, "o_proj": jnp.zeros_like(last["o_proj"]),
+                  "down_proj": jnp.zeros_like(last["down_proj"])}  # fmt: skip
+        upper = {"upper": [silent] * (self.blocks - 1)} if self.blocks > 1 else {}
         return {
             # starts as the high layer's state alone (EAGLE-1's feature), and e + f
             "fuse": {"w": jnp.concatenate([zeros, zeros, eye]), "b": jnp.zeros((D,))},
@@ -113,7 +125,8 @@ class EagleDrafter(Drafter):
                 "embed_norm": jnp.ones((D,)),
                 "feature_norm": jnp.ones((D,)),
             },
-            "layer": as_f32(base_params["layers"][-1]),
+            "layer": last,
+            **upper,  # blocks 2.. start as the identity (no output), the drafter as one block's
             "norm": jnp.array(base_params["norm"], jnp.float32),
         }
 
@@ -148,14 +161,37 @@ class EagleDrafter(Drafter):
         f = rms_norm(features.astype(jnp.float32), p["feature_norm"], eps)
         return dense(jnp.concatenate([e, f], -1), p["w"]) + p["b"]
 
+    def block_params(self, drafter_params) -> list[dict]:
+        return [drafter_params["layer"], *drafter_params.get("upper", ())]
+
     def block(self, drafter_params, x, positions, keys, values, mask):
-        """x [B,Q,D] at positions [B,Q], context keys/values [B,K,C,H] (a tuple of such
-        blocks, or None), mask [B,Q,C+Q] -> (outputs [B,Q,D], the entries' keys and values
-        [B,K,Q,H])."""
-        return decoder_layer(
-            self.cfg, drafter_params["layer"], x, *rope_tables(self.cfg, positions), keys,
-            values, mask,
-        )  # fmt: skip
+        """x [B,Q,D] at positions [B,Q], context keys/values [B,K*blocks,C,H] (a tuple of
+        such, or None), mask [B,Q,C+Q] -> (outputs [B,Q,D], the entries' keys and values
+        [B,K*blocks,Q,H]), the blocks run in turn."""
+        rope, new_keys, new_values = rope_tables(self.cfg, positions), [], []
+        for b, p in enumerate(self.block_params(drafter_params)):
+            x, k, v = decoder_layer(self.cfg, p, x, *rope, self.of_block(keys, b),
+                                    self.of_block(values, b), mask)  # fmt: skip
+            new_keys.append(k)
+            new_values.append(v)
+        return x, self.interleaved(new_keys), self.interleaved(new_values)
+
+    def of_block(self, kv, b: int):
+        """Context keys or values [B,K*blocks,C,H] (a tuple of such, or None) -> block b's
+        [B,K,C,H] (likewise)."""
+        if kv is None or self.blocks == 1:
+            return kv
+        if isinstance(kv, tuple):
+            return tuple(self.of_block(x, b) for x in kv)
+        B, KB, C, H = kv.shape
+        return kv.reshape(B, KB // self.blocks, self.blocks, C, H)[:, :, b]
+
+    def interleaved(self, per_block: list[jax.Array]) -> jax.Array:
+        """[B,K,Q,H] per block -> [B,K*blocks,Q,H], head k of block b at k*blocks+b."""
+        if len(per_block) == 1:
+            return per_block[0]
+        B, K, Q, H = per_block[0].shape
+        return jnp.stack(per_block, axis=2).reshape(B, K * len(per_block), Q, H)
 
     def logits(self, base_params, drafter_params, y) -> jax.Array:
         """Outputs [...,D] -> guess logits [...,V'] float32 (V' the draft vocabulary's size,
@@ -173,13 +209,18 @@ class EagleDrafter(Drafter):
     # -- generation
     def init_state(self, cfg, batch, max_len, dtype, drafter_params=None):
         S = max_len + SPARE_SLOTS
-        kv = lambda: jnp.zeros((batch, cfg.n_kv_heads, S, cfg.head_dim), jnp.float32)  # noqa: E731
+        kv = lambda: jnp.zeros((batch, self.kv_heads, S, cfg.head_dim), jnp.float32)  # noqa: E731
         tokens = jnp.zeros((batch, S), jnp.int32)
         return EagleState(tokens, kv(), kv(), jnp.zeros((batch, cfg.dim), jnp.float32))
 
+    @property
+    def kv_heads(self) -> int:
+        """The drafter's key/value heads: the model's per block."""
+        return self.cfg.n_kv_heads * self.blocks
+
     def state_shardings(self, state, layout):
-        """The layer's keys/values split like the model's cache (its weights are split like
-        the model's layers, mesh.table_specs)."""
+        """The blocks' keys/values split like the model's cache, by kv head (their weights
+        are split like the model's layers, mesh.table_specs)."""
         return EagleState(layout.rows, layout.kv, layout.kv, layout.rows)
 
     def advance(self, params, drafter_params, inputs: DraftInputs) -> EagleState:
@@ -238,7 +279,7 @@ class EagleDrafter(Drafter):
     def draft_static(self, params, dp, inputs: DraftInputs, tree: TreeSpec) -> jax.Array:
         """-> candidates [B,T-1]: every node with children expands them, depth by depth."""
         st, p = inputs.state, inputs.position
-        B, T, K, H = p.shape[0], tree.n_nodes, self.cfg.n_kv_heads, self.cfg.head_dim
+        B, T, K, H = p.shape[0], tree.n_nodes, self.kv_heads, self.cfg.head_dim
         internal = np.flatnonzero(np.isin(np.arange(T), tree.parent))  # [I] static
         slot = {int(node): i for i, node in enumerate(internal)}
         nodes = jnp.zeros((B, T), jnp.int32).at[:, 0].set(inputs.current)
@@ -275,7 +316,7 @@ class EagleDrafter(Drafter):
         node's entry fed its parent's output; the tree is the N best nodes of all scored
         (topology.expand_frontier)."""
         st, p = inputs.state, inputs.position
-        B, k, K, H = p.shape[0], tree.width, self.cfg.n_kv_heads, self.cfg.head_dim
+        B, k, K, H = p.shape[0], tree.width, self.kv_heads, self.cfg.head_dim
         score, token = self.guess_log_probs(params, dp, st.newest[:, None], k)
 
         def expand(d, paths, features, above, ks, vs):
@@ -304,6 +345,27 @@ def shifted(fused: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros_like(fused[:, :1]), fused[:, :-1]], axis=1)
 
 
+def committed_kv(drafter: EagleDrafter, dp, entries):
+    """entries [B,n,D] (the block inputs of committed tokens at positions 0..n-1) -> their
+    keys and values [B,K*blocks,n,H] as drafting's cache holds them: block 1's from the
+    entries alone, block b's from block b-1's outputs, each entry attending to entries
+    1..itself (entry 0, which has no feature, only to itself)."""
+    cfg = drafter.cfg
+    B, n, _ = entries.shape
+    rope = rope_tables(cfg, jnp.broadcast_to(jnp.arange(n), (B, n)))
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None]
+    mask = jnp.broadcast_to(((j >= 1) & (j <= i)) | (j == i), (B, n, n))
+    h, keys, values = entries, [], []
+    blocks = drafter.block_params(dp)
+    for b, p in enumerate(blocks):
+        k, v = layer_kv(cfg, p, rms_norm(h, p["input_layernorm"], cfg.norm_eps), *rope)
+        keys.append(k)
+        values.append(v)
+        if b + 1 < len(blocks):  # the next block's entries
+            h = decoder_layer(cfg, p, h, *rope, None, None, mask)[0]
+    return drafter.interleaved(keys), drafter.interleaved(values)
+
+
 def training_outputs(drafter: EagleDrafter, base_params, dp, tokens, features, steps: int,
                      first=None, width: int | None = None) -> list[jax.Array]:  # fmt: skip
     """Training-time test over whole sequences: tokens [B,n] at positions 0..n-1, features
@@ -314,18 +376,16 @@ def training_outputs(drafter: EagleDrafter, base_params, dp, tokens, features, s
     feature is step k-1's output at i-1, and it attends to the committed entries at
     positions 1..i-k+1 (step 1's) and the path's entries (step m's at i-k+m).
 
-    Only the committed entries' keys and values are computed at every position; the block
-    runs on the window alone, so a long prompt before a short answer costs little. Step k's
+    Only the committed entries' keys and values are computed at every position (and, for a
+    drafter of several blocks, the lower blocks' outputs there); the blocks run on the window
+    alone, so a long prompt before a short answer costs little. Step k's
     outputs at the window's first k-1 positions lack their path (left of the window): valid
     from first+k-1 on."""
     B, n = tokens.shape
-    cfg, layer = drafter.cfg, dp["layer"]
     W = n if width is None else width
     first = jnp.zeros((B,), jnp.int32) if first is None else first
     entries = drafter.entry_inputs(base_params, dp, tokens, features)  # step 1's [B,n,D]
-    normed = rms_norm(entries, layer["input_layernorm"], cfg.norm_eps)
-    every = jnp.broadcast_to(jnp.arange(n), (B, n))
-    committed_k, committed_v = layer_kv(cfg, layer, normed, *rope_tables(cfg, every))
+    committed_k, committed_v = committed_kv(drafter, dp, entries)
     positions = first[:, None] + jnp.arange(W)  # [B,W]
     x = jnp.take_along_axis(entries, positions[..., None], axis=1)
     tokens = jnp.take_along_axis(tokens, positions, axis=1)
