@@ -408,3 +408,20 @@ def test_feature_noise_is_in_proportion_to_each_element():
     assert abs(float(relative.std()) - 0.1) < 0.01 and abs(float(relative.mean())) < 0.01
     assert np.array_equal(a, noisy(fused3, 0.1, jnp.uint32(5)))  # the step's seed decides
     assert not np.allclose(a, b)
+
+
+def test_rows_within_an_answers_start():
+    """--rows-within N draws scored rows from each answer's first N tokens; 0 draws from all
+    of it, as before the flag (same draws for the same rng)."""
+    from train.chimera import row_range, sample_rows
+
+    features = {"starts": np.array([10, 3]), "lengths": np.array([60, 40])}
+    seqs = np.array([0, 1, 1])
+    rows = sample_rows(features, seqs, 200, 4, np.random.default_rng(0), within=8)
+    for n, r in zip(seqs, rows, strict=True):
+        low, _ = row_range(features, n, 4)
+        assert r.min() == low and r.max() == low + 7
+    old = np.stack([np.random.default_rng(0).integers(*row_range(features, n, 4), 50)
+                    for n in [1]])  # fmt: skip
+    np.testing.assert_array_equal(sample_rows(features, np.array([1]), 50, 4,
+                                              np.random.default_rng(0)), old)  # fmt: skip

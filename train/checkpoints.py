@@ -28,6 +28,7 @@ LATER_FLAGS = {
     "keep_vocab": False,
     "feature_noise": 0.0,
     "blocks": 1,
+    "rows_within": 0,
 }
 
 

@@ -87,9 +87,16 @@ def row_range(features: dict, n: int, K: int) -> tuple[int, int]:
     return low, max(int(features["lengths"][n]) - 1, low + 1)
 
 
-def sample_rows(features: dict, seqs: np.ndarray, n_rows: int, K: int, rng) -> np.ndarray:
-    """-> rows [len(seqs), n_rows] drawn from each sequence's answer rows."""
-    return np.stack([rng.integers(*row_range(features, n, K), n_rows) for n in seqs])
+def sample_rows(features: dict, seqs: np.ndarray, n_rows: int, K: int, rng,
+                within: int = 0) -> np.ndarray:  # fmt: skip
+    """-> rows [len(seqs), n_rows] drawn from each sequence's answer rows (within > 0: from
+    its first `within` only)."""
+
+    def drawn(n):
+        low, high = row_range(features, n, K)
+        return rng.integers(low, min(high, low + within) if within else high, n_rows)
+
+    return np.stack([drawn(n) for n in seqs])
 
 
 def batch_arrays(features: dict, seqs: np.ndarray, rows: np.ndarray, targets: str):

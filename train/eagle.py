@@ -84,11 +84,19 @@ def parse_args(argv):
     )
     p.add_argument("--rows", type=positive_int, default=48, help="scored positions per sequence")
     p.add_argument(
+        "--rows-within",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="draw the scored positions from each answer's first N tokens only (its start, "
+        "where the drafter guesses worst and answers repeat themselves least; 0: anywhere)",
+    )
+    p.add_argument(
         "--blocks",
         type=positive_int,
         default=1,
         help="decoder blocks in the drafter (EAGLE's: 1; each more one costs about one more "
-        "block per drafted depth, and ~5.3 MB at 135M in float16)",
+        "block per drafted depth, and ~7 MB at 135M in float16)",
     )
     p.add_argument(
         "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
@@ -394,7 +402,7 @@ class Eagle(Trainer):
             self.log_accuracy(0, self.accuracy(state["params"]))
         rng = np.random.default_rng([args.seed, step])  # a resumed run sees the same batches
         seqs = rng.integers(0, len(self.train_f["tokens"]), args.batch)
-        rows = sample_rows(self.train_f, seqs, args.rows, args.ttt, rng)
+        rows = sample_rows(self.train_f, seqs, args.rows, args.ttt, rng, args.rows_within)
         tokens = jnp.asarray(self.train_f["tokens"][seqs])
         if args.states == "live":
             states = live_states(self.frozen, tokens, cfg=self.cfg, layers=self.stored)
@@ -502,6 +510,7 @@ def card(args, cfg, drafter, report) -> str:
         if args.answers == "self"
         else "the conversations' own (ChatGPT's) replies"
     )
+    within = f" (of each answer's first {args.rows_within})" if args.rows_within else ""
     noise = ""
     if args.feature_noise:
         noise = f", the fused states' elements times 1 + {args.feature_noise:g} N(0,1)"
@@ -528,7 +537,7 @@ def card(args, cfg, drafter, report) -> str:
 - Data: {answers} to {prompts} (prompts <= {args.prompt_len}
   tokens, answers <= {args.new_tokens}).
 - Training: {report["steps"]} steps of {args.batch} sequences, training-time test over
-  {args.ttt} steps, {args.rows} scored positions per sequence, cross-entropy to the model's
+  {args.ttt} steps, {args.rows} scored positions per sequence{within}, cross-entropy to the model's
   next-token distribution over the draft vocabulary, step weights {args.decay}**(k-1), AdamW
   lr {args.lr} cosine{noise}; {report.get("train_minutes")} minutes of training on the machine
   that trained it.
