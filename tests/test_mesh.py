@@ -217,8 +217,8 @@ def test_dynamic_trees_on_a_mesh_give_one_devices_tokens(method, retrieval):
 
 @pytest.mark.parametrize("tree", ["comb-2-2", "dynamic-6"])
 def test_eagle_of_two_blocks_on_a_mesh_gives_one_devices_tokens(tree):
-    """Its blocks' keys and values, interleaved by kv head, split over `model` like the
-    model's cache."""
+    """A drafter of two blocks, its state's K*2 key/value heads split over `model` like the
+    model's cache, gives one device's tokens."""
     from tests.test_export import SETTINGS
 
     two = dataclasses.replace(SETTINGS["eagle"], blocks=2)

@@ -10,16 +10,16 @@ training-time test.
    than a disk holds the states of; always for ShareGPT's replies; --live-products plain:
    in one bfloat16 pass per product). The targets are the model's own distributions
    either way; the test split is always the model's answers, its states exact.
-2. Each step takes --batch whole sequences; --ttt steps of the layer run over each
+2. Each step takes --batch whole sequences; --ttt steps of the drafter run over each
    answer's window (`training_outputs`: the masks drafting uses at depth k-1; the prompt
    enters as committed entries), step k feeding each position step k-1's output as its
    feature. At --rows answer positions per sequence every step's guess
    is scored against the base model's next-token distribution there, restricted to the
    draft vocabulary (cross-entropy), step k weighted --decay**(k-1); --feature-noise
    perturbs the model's fused states (training only).
-3. Orbax checkpoints every --save-every steps; a rerun resumes. --init with more --blocks
-   than that drafter has adds blocks that start as the identity (zero output projections):
-   the grown drafter starts where the smaller one ended.
+3. Orbax checkpoints every --save-every steps; a rerun resumes. --init a one-block drafter
+   with --blocks N: blocks 2..N start as the identity (zero output projections), so the
+   grown drafter starts where that one ended.
 4. Evaluation on the test split: top-1..5 accuracy per step against the greedy token
    (earlier path tokens the true ones), searched trees; the same on as many of the training
    answers ("seen": the gap to the test split is what the drafter memorised, not learned);
@@ -95,8 +95,9 @@ def parse_args(argv):
         "--blocks",
         type=positive_int,
         default=1,
-        help="decoder blocks in the drafter (EAGLE's: 1; each more one costs about one more "
-        "block per drafted depth, and ~7 MB at 135M in float16)",
+        help="decoder blocks in the drafter (EAGLE's: 1; each extra block costs one more block "
+        "call per drafted depth, one more pass over each training sequence, and ~7 MB at 135M "
+        "in float16)",
     )
     p.add_argument(
         "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
@@ -357,6 +358,8 @@ class Eagle(Trainer):
             self.model.params, cfg, self.vocab_ids)  # fmt: skip
         self.weights = jnp.asarray(args.decay ** np.arange(args.ttt), jnp.float32)
         self.width = window_width(self.train_f, args.ttt)
+        if args.rows_within:  # the rows lie within rows_within of each other
+            self.width = min(self.width, args.rows_within + args.ttt - 1)
         n_seen = min(args.test_seqs, len(self.train_f["tokens"]))
         self.seen_f = first_answers(self.model, self.train_f, n_seen, self.stored, args.batch)
         self.questions_f = None

@@ -4,8 +4,8 @@ the feature level (EAGLE-3's inputs and training, EAGLE-2's dynamic trees).
 An *entry* of the layer is a token position i with two inputs: the token x_i's embedding
 and a feature f_i [D]. For a committed token f_i fuses the model's states at the position
 before, f_i = Linear(3D->D)([h^low_{i-1} ; h^mid_{i-1} ; h^high_{i-1}]) (EAGLE-3's low,
-middle and high layers, `layers`); for a drafted token it is the layer's own output at its
-parent's entry. The entry's input x_i = Linear(2D->D)([norm(e_i) ; norm(f_i)]) runs through
+middle and high layers, `layers`); for a drafted token it is the drafter's own output at
+its parent's entry. The entry's input x_i = Linear(2D->D)([norm(e_i) ; norm(f_i)]) runs through
 one Llama decoder block (initialised from the model's last block) at rotary position i,
 attending to the committed entries (the drafter's own KV cache) and to the entries of its
 drafted ancestors. A drafter of several blocks runs them in turn, each with its own keys and
@@ -27,7 +27,7 @@ depth over that depth's expanded nodes:
   the N best nodes of everything scored (`topology.best_of_pool`).
 
 Training (train/eagle.py) is EAGLE-3's training-time test: step k feeds every position the
-layer's step-(k-1) output as its feature and attends as a depth-(k-1) node would
+drafter's step-(k-1) output as its feature and attends as a depth-(k-1) node would
 (`training_outputs`), so the drafter learns from its own features, not only the model's.
 """
 
@@ -147,7 +147,7 @@ class EagleDrafter(Drafter):
                 "those (dynamic-N-DEPTH-WIDTH)"
             )
 
-    # -- the layer
+    # -- the blocks
     def fuse(self, drafter_params, states: dict) -> jax.Array:
         """{layer count: [B,...,D]} model states -> fused features [B,...,D] float32."""
         x = jnp.concatenate([states[n].astype(jnp.float32) for n in self.layers], -1)
@@ -257,7 +257,8 @@ class EagleDrafter(Drafter):
                vs):  # fmt: skip
         """Drafted nodes' entries: tokens [B,Q], features [B,Q,D] (their parents' outputs),
         depth [B,Q] (>= 1), above [B,Q,E] which of the E earlier drafted entries (keys/values
-        ks, vs [B,K,E,H]) are their ancestors -> (outputs [B,Q,D], keys, values [B,K,Q,H])."""
+        ks, vs [B,K*blocks,E,H]) are their ancestors -> (outputs [B,Q,D], keys, values
+        [B,K*blocks,Q,H])."""
         B, Q = tokens.shape
         S = st.tokens.shape[1]
         positions = position[:, None] + depth
@@ -358,27 +359,29 @@ def committed_kv(drafter: EagleDrafter, dp, entries):
     h, keys, values = entries, [], []
     blocks = drafter.block_params(dp)
     for b, p in enumerate(blocks):
-        k, v = layer_kv(cfg, p, rms_norm(h, p["input_layernorm"], cfg.norm_eps), *rope)
+        if b + 1 < len(blocks):  # its outputs: the next block's entries
+            h, k, v = decoder_layer(cfg, p, h, *rope, None, None, mask)
+        else:  # the last block's keys alone
+            k, v = layer_kv(cfg, p, rms_norm(h, p["input_layernorm"], cfg.norm_eps), *rope)
         keys.append(k)
         values.append(v)
-        if b + 1 < len(blocks):  # the next block's entries
-            h = decoder_layer(cfg, p, h, *rope, None, None, mask)[0]
     return drafter.interleaved(keys), drafter.interleaved(values)
 
 
 def training_outputs(drafter: EagleDrafter, base_params, dp, tokens, features, steps: int,
                      first=None, width: int | None = None) -> list[jax.Array]:  # fmt: skip
     """Training-time test over whole sequences: tokens [B,n] at positions 0..n-1, features
-    [B,n,D] of their entries from the model's states (`shifted`) -> `steps` layer outputs
+    [B,n,D] of their entries from the model's states (`shifted`) -> `steps` drafter outputs
     [B,W,D] at the window of positions first..first+W-1 (first [B], default 0; W = `width`,
     default n). Step k's output at i is what drafting computes for the depth-(k-1) node
     holding x_i when the root is x_{i-k+1} and the path's tokens are the true ones: its
     feature is step k-1's output at i-1, and it attends to the committed entries at
     positions 1..i-k+1 (step 1's) and the path's entries (step m's at i-k+m).
 
-    Only the committed entries' keys and values are computed at every position (and, for a
-    drafter of several blocks, the lower blocks' outputs there); the blocks run on the window
-    alone, so a long prompt before a short answer costs little. Step k's
+    The committed entries' keys and values are computed at every position (a drafter of
+    several blocks runs its lower blocks once over the whole sequence for them); the steps
+    run on the window alone, so a long prompt before a short answer costs its keys (and
+    blocks-1 block passes), not `steps` block passes. Step k's
     outputs at the window's first k-1 positions lack their path (left of the window): valid
     from first+k-1 on."""
     B, n = tokens.shape
