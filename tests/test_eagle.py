@@ -198,7 +198,7 @@ def test_two_block_drafter_decodes_ars_tokens(model, tmp_path):
     decode AR's tokens; grown from a one-block drafter it drafts what that one drafts."""
     from jaxspec.drafters.store import save_drafter
 
-    one, two = (EagleDrafter(model.cfg, (1, 1, 2), 3, b) for b in (1, 2))
+    two = EagleDrafter(model.cfg, (1, 1, 2), 3, blocks=2)
     dp = trained_like(two, model.params, seed=4)
     save_drafter(tmp_path / "two", "eagle", EagleSettings(layers=(1, 1, 2), depth=3, blocks=2),
                  dp, model.cfg, "untrained")  # fmt: skip
