@@ -424,3 +424,18 @@ def test_rows_within_an_answers_start():
     old = np.random.default_rng(0).integers(*row_range(features, 1, 4), 50)[None]
     np.testing.assert_array_equal(sample_rows(features, np.array([1]), 50, 4,
                                               np.random.default_rng(0)), old)  # fmt: skip
+
+
+def test_loss_top_keeps_the_models_most_probable_tokens():
+    """--loss-top K: the target keeps the model's K most probable tokens at their
+    probabilities (not renormalised) and zeroes the rest; 0 keeps the whole distribution."""
+    from train.eagle import top_only
+
+    p = jax.nn.softmax(jax.random.normal(jax.random.key(0), (2, 3, 50)), -1)
+    assert top_only(p, 0) is p
+    for k in (1, 4):
+        kept = np.asarray(top_only(p, k))
+        assert ((kept > 0).sum(-1) == k).all()
+        order = np.argsort(-np.asarray(p), -1)[..., :k]
+        np.testing.assert_array_equal(np.take_along_axis(kept, order, -1),
+                                      np.take_along_axis(np.asarray(p), order, -1))  # fmt: skip

@@ -245,6 +245,7 @@ TRAINERS = {
     "eagle-live": (partial(eagle, states="live"), {"live_states", "train_step"}),
     "eagle-live-plain": (partial(eagle, states="live", products="plain"), {"live_states"}),
     "eagle-noise": (partial(eagle, argv=["--feature-noise", "0.1"]), {"train_step"}),
+    "eagle-loss-top": (partial(eagle, argv=["--loss-top", "3"]), {"train_step"}),
     "eagle-2-blocks": (partial(eagle, argv=["--blocks", "2"]), {"train_step", "topk_hits"}),
     "sdsat-full": (sdsat_full, {"full_step"}),
     "sdsat-full-basic": (partial(sdsat_full, loss="basic"), {"full_step"}),

@@ -15,7 +15,8 @@ training-time test.
    enters as committed entries), step k feeding each position step k-1's output as its
    feature. At --rows answer positions per sequence every step's guess
    is scored against the base model's next-token distribution there, restricted to the
-   draft vocabulary (cross-entropy), step k weighted --decay**(k-1); --feature-noise
+   draft vocabulary (cross-entropy; --loss-top K: against its K most probable tokens only),
+   step k weighted --decay**(k-1); --feature-noise
    perturbs the model's fused states (training only).
 3. Orbax checkpoints every --save-every steps; a rerun resumes. --init a one-block drafter
    with --blocks N: blocks 2..N start as the identity (zero output projections), so the
@@ -101,6 +102,16 @@ def parse_args(argv):
     )
     p.add_argument(
         "--decay", type=positive_float, default=0.8, help="loss weight of step k is decay**(k-1)"
+    )
+    p.add_argument(
+        "--loss-top",
+        type=nonnegative_int,
+        default=0,
+        metavar="K",
+        help="score each guess against the model's K most probable tokens only, -sum of p "
+        "log q over them (HASS's top-K distillation: the drafter is not asked to match the "
+        "tail; 1: the greedy token weighted by the model's confidence; 0: the whole "
+        "distribution)",
     )
     p.add_argument(
         "--feature-noise",
@@ -228,19 +239,27 @@ def window_width(data: dict, steps: int) -> int:
     return min(max(high - low for low, high in ranges) + steps - 1, data["tokens"].shape[1])
 
 
-def teacher(base, cfg, last, rows, vocab):
+def teacher(base, cfg, last, rows, vocab, top: int = 0):
     """The model's next-token distribution at rows [B,R], over the draft vocabulary
-    (renormalised) -> [B,R,1,V']."""
+    (renormalised) -> [B,R,1,V']; top > 0: zero but its `top` most probable tokens."""
     logits = lm_logits(base, cfg, jnp.take_along_axis(last, rows[..., None], axis=1))
     if vocab is not None:
         logits = logits[..., vocab["ids"]]
-    return jax.nn.softmax(logits, -1)[:, :, None]
+    return top_only(jax.nn.softmax(logits, -1), top)[:, :, None]
 
 
-@partial(jax.jit, static_argnames=("drafter", "optimizer", "steps", "width", "noise"))
+def top_only(p: jax.Array, top: int) -> jax.Array:
+    """p [...,V] with all but its `top` largest entries zeroed (ties at the last kept);
+    top 0: p unchanged."""
+    if not top:
+        return p
+    return jnp.where(p >= jax.lax.top_k(p, top)[0][..., -1:], p, 0.0)
+
+
+@partial(jax.jit, static_argnames=("drafter", "optimizer", "steps", "width", "noise", "top"))
 def train_step(state, base, tokens, fused3, last, rows, weights, vocab, seed, *, drafter,
-               optimizer, steps, width, noise):  # fmt: skip
-    target = teacher(base, drafter.cfg, last, rows, vocab)
+               optimizer, steps, width, noise, top):  # fmt: skip
+    target = teacher(base, drafter.cfg, last, rows, vocab, top)
     fused3 = noisy(fused3, noise, seed)
 
     def loss_fn(params):
@@ -416,6 +435,7 @@ class Eagle(Trainer):
             state, self.model.params, tokens, fused3, last, jnp.asarray(rows), self.weights,
             self.vocab, jnp.uint32(rng.integers(1 << 32)), drafter=self.drafter,
             optimizer=self.optimizer, steps=args.ttt, width=self.width, noise=args.feature_noise,
+            top=args.loss_top,
         )  # fmt: skip
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             self.log_accuracy(step + 1, self.accuracy(state["params"]))
@@ -517,6 +537,9 @@ def card(args, cfg, drafter, report) -> str:
     noise = ""
     if args.feature_noise:
         noise = f", the fused states' elements times 1 + {args.feature_noise:g} N(0,1)"
+    target = "next-token distribution"
+    if args.loss_top:
+        target = f"{args.loss_top} most probable next tokens (the rest zeroed)"
     vocab = "the whole vocabulary"
     if args.keep_vocab or args.guess_vocab:
         source = (
@@ -541,7 +564,7 @@ def card(args, cfg, drafter, report) -> str:
   tokens, answers <= {args.new_tokens}).
 - Training: {report["steps"]} steps of {args.batch} sequences, training-time test over
   {args.ttt} steps, {args.rows} scored positions per sequence{within}, cross-entropy to the model's
-  next-token distribution over the draft vocabulary, step weights {args.decay}**(k-1), AdamW
+  {target} over the draft vocabulary, step weights {args.decay}**(k-1), AdamW
   lr {args.lr} cosine{noise}; {report.get("train_minutes")} minutes of training on the machine
   that trained it.
 - Final training loss per step: {report.get("final_loss_per_step")}
