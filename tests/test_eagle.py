@@ -439,3 +439,17 @@ def test_loss_top_keeps_the_models_most_probable_tokens():
         order = np.argsort(-np.asarray(p), -1)[..., :k]
         np.testing.assert_array_equal(np.take_along_axis(kept, order, -1),
                                       np.take_along_axis(np.asarray(p), order, -1))  # fmt: skip
+
+
+def test_loss_top_beyond_the_draft_vocabulary_is_refused(tiny_ckpt, tmp_path):
+    """--loss-top above the draft vocabulary's size: a one-line error before any answers
+    are made."""
+    import train.eagle as eagle
+    from tests.conftest import tiny_training_args, train_on_made_up_conversations
+
+    args = [*tiny_training_args(tiny_ckpt[0], tmp_path), "--guess-vocab", "64",
+            "--loss-top", "65"]  # fmt: skip
+    with pytest.raises(JaxspecError, match="--loss-top 65 is more tokens than the draft "
+                                           "vocabulary's 64"):  # fmt: skip
+        train_on_made_up_conversations(eagle, args)
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").rglob("*.npz"))

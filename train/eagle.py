@@ -16,8 +16,8 @@ training-time test.
    feature. At --rows answer positions per sequence every step's guess
    is scored against the base model's next-token distribution there, restricted to the
    draft vocabulary (cross-entropy; --loss-top K: against its K most probable tokens only),
-   step k weighted --decay**(k-1); --feature-noise
-   perturbs the model's fused states (training only).
+   step k weighted --decay**(k-1); --feature-noise perturbs the model's fused states
+   (training only).
 3. Orbax checkpoints every --save-every steps; a rerun resumes. --init a one-block drafter
    with --blocks N: blocks 2..N start as the identity (zero output projections), so the
    grown drafter starts where that one ended.
@@ -248,9 +248,15 @@ def teacher(base, cfg, last, rows, vocab, top: int = 0):
     return top_only(jax.nn.softmax(logits, -1), top)[:, :, None]
 
 
+def check_loss_top(args, vocab_size: int) -> None:
+    if args.loss_top > vocab_size:
+        raise JaxspecError(f"--loss-top {args.loss_top} is more tokens than the draft "
+                           f"vocabulary's {vocab_size}: give at most {vocab_size}")  # fmt: skip
+
+
 def top_only(p: jax.Array, top: int) -> jax.Array:
-    """p [...,V] with all but its `top` largest entries zeroed (ties at the last kept);
-    top 0: p unchanged."""
+    """p [...,V] with all but its `top` largest entries zeroed (any tied with the last of
+    them kept too); top 0: p unchanged."""
     if not top:
         return p
     return jnp.where(p >= jax.lax.top_k(p, top)[0][..., -1:], p, 0.0)
@@ -344,6 +350,8 @@ class Eagle(Trainer):
     def prepare(self) -> None:
         args, cfg = self.args, self.cfg
         self.drafter = EagleDrafter(cfg, fused_layers(cfg), args.depth, args.blocks)
+        kept = np.asarray(kept_vocab(args, cfg), np.int32) if args.keep_vocab else None
+        check_loss_top(args, len(kept) if args.keep_vocab else args.guess_vocab or cfg.vocab_size)
 
         def load(split: str, n: int, turns: str = "first") -> dict:
             return layer_features(self.model, self.shared, split, n, args.prompt_len,
@@ -367,12 +375,12 @@ class Eagle(Trainer):
         else:
             self.train_f = load("train", args.train_seqs, args.turns)
         self.test_f = load("test", args.test_seqs)
-        self.vocab_ids = None
-        if args.keep_vocab:
-            self.vocab_ids = np.asarray(kept_vocab(args, cfg), np.int32)
-        elif args.guess_vocab:
+        self.vocab_ids = kept
+        if not args.keep_vocab and args.guess_vocab:
             ids = frequent_tokens(self.train_f, args.guess_vocab, tuple(cfg.eos_token_ids))
             self.vocab_ids = np.asarray(ids, np.int32)
+        if self.vocab_ids is not None:  # fewer distinct answer tokens than --guess-vocab
+            check_loss_top(args, len(self.vocab_ids))
         self.vocab = None if self.vocab_ids is None else draft_vocab(
             self.model.params, cfg, self.vocab_ids)  # fmt: skip
         self.weights = jnp.asarray(args.decay ** np.arange(args.ttt), jnp.float32)
