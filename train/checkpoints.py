@@ -29,6 +29,7 @@ LATER_FLAGS = {
     "feature_noise": 0.0,
     "blocks": 1,
     "rows_within": 0,
+    "loss_top": 0,
 }
 
 
