@@ -35,7 +35,9 @@ model = jaxspec.load_model(args.model)
 print(f"{'method':8} {'tokens/step':>11} {'tokens/s':>9} {'vs AR':>6}  same tokens as AR")
 ar_speed, ar_tokens = None, None
 for method in ["ar", *[m for m in args.methods if m != "ar"]]:  # AR first: the reference
-    drafter = None if method == "ar" or args.drafters is None else f"{args.drafters}/{method}"
+    # AR drafts nothing and lookup drafts from the text itself: neither loads a drafter.
+    own = method not in ("ar", "lookup") and args.drafters is not None
+    drafter = f"{args.drafters}/{method}" if own else None
     try:
         generator = jaxspec.Generator(model, method, drafter=drafter)
     except jaxspec.JaxspecError as e:  # e.g. PPD on a machine with fewer than 4 devices

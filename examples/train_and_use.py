@@ -20,8 +20,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import jaxspec.tools.train.medusa as medusa_trainer  # the trainer behind jaxspec-train medusa
+
 import jaxspec
-import train.medusa
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
 parser.add_argument("--model", help="jaxspec checkpoint (default: the default model)")
@@ -37,7 +38,7 @@ flags = ["--heads", "2", "--steps", args.steps, "--train-seqs", args.train_seqs,
          "--test-seqs", "4", "--new-tokens", "64", "--out", out]  # fmt: skip
 flags += ["--model", args.model] if args.model else []
 flags += [] if args.out else ["--overwrite"]  # the example's own folder: replaced on a rerun
-report = train.medusa.train([str(flag) for flag in flags])
+report = medusa_trainer.train([str(flag) for flag in flags])
 print(f"trained: top-1 accuracy per head {[acc[0] for acc in report['test_topk_accuracy']]}")
 
 model = jaxspec.load_model(args.model)

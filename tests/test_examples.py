@@ -20,13 +20,18 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 300
 
 # train_and_use.py as a script, with the tests' made-up conversations in place of ShareGPT
-# (what tests/conftest.py::train_on_made_up_conversations does in-process).
+# (what tests/conftest.py::train_on_made_up_conversations does in-process), on the path a
+# user's Python has: the installed package, no repository root (where `train` would be).
 WITHOUT_SHAREGPT = """
-import runpy, sys
-import train.features
+import os, runpy, sys
+import jaxspec.tools.train.features as features
 from tests.test_medusa import conversations
-train.features.sharegpt_split = lambda split: conversations(seed=len(split))
+features.sharegpt_split = lambda split: conversations(seed=len(split))
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.getcwd()]
+for name in [m for m in sys.modules if m.split(".")[0] in ("train", "infer")]:
+    del sys.modules[name]
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -58,7 +63,7 @@ def runs(tiny_ckpt, tmp_path_factory):
         "generate": [EXAMPLES / "generate.py", *tiny, "--drafters", drafters,
                      "--prompt", "w5 w9 w7"],
         "compare": [EXAMPLES / "compare.py", *tiny, "--drafters", drafters,
-                    "--methods", "ar", "medusa"],
+                    "--methods", "ar", "medusa", "lookup"],
         "train_and_use": ["-c", WITHOUT_SHAREGPT, EXAMPLES / "train_and_use.py", *tiny,
                           "--out", tmp / "trained", "--steps", "4", "--train-seqs", "4",
                           "--prompt", "w5 w9 w7"],
@@ -83,7 +88,7 @@ def test_compare_example_prints_a_table(runs):
     out = finish(runs["compare"])
     header, *rows = out.strip().splitlines()
     assert header.split()[:3] == ["method", "tokens/step", "tokens/s"]
-    assert [row.split()[0] for row in rows] == ["ar", "medusa"]
+    assert [row.split()[0] for row in rows] == ["ar", "medusa", "lookup"]
     assert rows[0].split()[3:] == ["1.00x", "yes"]
     assert all(row.split()[-1] == "yes" for row in rows), out
 
