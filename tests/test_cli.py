@@ -69,10 +69,11 @@ def test_generate_batch_json_lines(tiny_ckpt, capsys):
 
 
 def test_generate_streams_text(tiny_ckpt, capsys):
-    out = run_ok(
-        generate_main, ["--model", str(tiny_ckpt[0]), "--max-new-tokens", "5", "w5"], capsys
-    )
-    assert out.strip()
+    """The streamed pieces add up to the answer's text (as --json reports it)."""
+    argv = ["--model", str(tiny_ckpt[0]), "--max-new-tokens", "5", "w5"]
+    text = json.loads(run_ok(generate_main, ["--json", *argv], capsys))["text"]
+    streamed = run_ok(generate_main, argv, capsys)
+    assert text.strip() and streamed.startswith(text + "\n")
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,12 +72,18 @@ def test_min_prompt_len_gives_prompts_of_every_length_one_shape(tiny):
 
 
 def test_stops_at_eos_and_max_new_tokens(tiny):
+    """Without an EOS the answer runs to max_new_tokens exactly; with one, it ends at the
+    first token that is the EOS (here a token the model does emit, first at position `at`)."""
     cfg, params, _ = tiny
-    gen = SpeculativeGenerator(cfg, params)
-    out = gen.generate([5, 6, 7], max_new_tokens=60).token_ids
-    assert len(out) <= 60
-    assert 2 not in out[:-1]  # nothing after an EOS
-    assert len(gen.generate([5, 6, 7], max_new_tokens=3).token_ids) <= 3
+    prompt = list(range(10, 30))
+    free = dataclasses.replace(cfg, eos_token_ids=())
+    full = SpeculativeGenerator(free, params).generate(prompt, max_new_tokens=40).token_ids
+    assert len(full) == 40
+    assert len(SpeculativeGenerator(free, params).generate(prompt, 3).token_ids) == 3
+    at = next(i for i in range(4, 40) if full[i] not in full[:i])
+    never = next(t for t in range(3, cfg.vocab_size) if t not in full)  # a second EOS id
+    eos = dataclasses.replace(cfg, eos_token_ids=(never, full[at]))
+    assert SpeculativeGenerator(eos, params).generate(prompt, 40).token_ids == full[: at + 1]
 
 
 def test_bad_lengths_are_clear_errors(tiny):

@@ -60,7 +60,7 @@ def monkeypatch_module():
 
 def test_training_resumes_and_learns(trained):
     out, first, second, _ = trained
-    assert first["steps"] == 12 and second["steps"] == 20  # resumed, not restarted
+    assert first["steps"] == 12 and second["steps"] == 20  # resumption: tests/test_resume.py
     acc = np.array(second["test_topk_accuracy"])
     assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)  # top-k is monotone
     card = (out / "CARD.md").read_text()

@@ -388,7 +388,8 @@ TRAINERS = {  # method: (its flags for a seconds-long run, --batch, the loss its
 def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path, monkeypatch):
     """jaxspec-train METHOD --mesh data=2 (each step's batch split over two devices, the
     gradients summed by the compiled step): the losses and weights of one device, within
-    float tolerance (sums in another order). The second run reuses the first's answers."""
+    float tolerance (sums in another order), with every batch array of every step held half
+    by each device. The second run reuses the first's answers."""
     import importlib
     import shutil
 
@@ -400,6 +401,13 @@ def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path, 
     trainer = importlib.import_module(f"train.{method}")
     skeleton = importlib.import_module("train.skeleton")
     monkeypatch.setattr(skeleton, "measure_acceptance", lambda *args: {})  # decoding: elsewhere
+    split, batches = skeleton.Trainer.split_batch, []
+
+    def recorded(self, *arrays):
+        batches.append(split(self, *arrays))
+        return batches[-1]
+
+    monkeypatch.setattr(skeleton.Trainer, "split_batch", recorded)
 
     def run(name: str, *extra: str) -> dict:
         args = tiny_training_args(tiny_ckpt[0], tmp_path / name, train_seqs=6, batch=batch)
@@ -408,7 +416,13 @@ def test_data_parallel_training_matches_one_device(method, tiny_ckpt, tmp_path, 
     one = run("one")
     shutil.copytree(tmp_path / "one", tmp_path / "two",
                     ignore=shutil.ignore_patterns("checkpoints", "out"))  # fmt: skip
+    batches.clear()
     two = run("two", "--mesh", "data=2")
+    held = [x for arrays in batches for x in arrays if x is not None]
+    assert held and all(
+        len(x.sharding.device_set) == 2 and x.sharding.shard_shape(x.shape)[0] * 2 == x.shape[0]
+        for x in held
+    )
     np.testing.assert_allclose(two[loss], one[loss], rtol=1e-3, atol=2e-4)  # reports round
     cfg, _ = load_checkpoint(tiny_ckpt[0])
     weights = [load_drafter(tmp_path / n / "out", method, cfg).params for n in ("one", "two")]

@@ -329,7 +329,9 @@ def test_full_step_losses_are_the_papers(loss):
     masked[0, 5:8], masked[1, 6:7] = True, True
     offset = np.zeros((2, 12), np.int32)
     offset[0, 5:8], offset[1, 6] = [0, 1, 2], 0
-    answer = answer_targets(starts, lengths, 12)
+    answer = np.zeros((2, 11), np.float32)  # targets at positions start .. length-1
+    answer[0, 2:11], answer[1, 4:9] = 1, 1
+    np.testing.assert_array_equal(answer_targets(starts, lengths, 12), answer)
     mixed = np.where(masked, np.minimum(59 + offset, 60), tokens)
 
     def ce(seq):  # [2,11] next-token cross-entropy
