@@ -1,8 +1,8 @@
 """The device campaign in one command (`jaxspec.device_bench`): AR decode against the
 memory-bandwidth floor, verify steps over trees of 1-64 nodes, prefill at 2k/8k/32k tokens
 (Llama-3-8B shapes, random bfloat16 weights), the default model end to end with every
-method, and verify steps at 70B-layer shapes; under 8 minutes on an H100. Writes FILE.json
-and FILE.md, rewritten after every row (a run cut short still leaves them).
+method, and verify steps at 70B-layer shapes; within a budget of under 8 minutes. Writes
+FILE.json and FILE.md, rewritten after every row (a run cut short still leaves them).
 
     python -m infer.device_bench --out $OUT/device_bench.json      # on a device
     python -m infer.device_bench --dry-run --out /tmp/dry.json     # tiny shapes, CPU, fast

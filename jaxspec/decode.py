@@ -55,8 +55,9 @@ from jaxspec.verify import (
 PREFILL_CHUNK = {"cpu": 1024, "gpu": 2048, "tpu": 2048}
 
 # Verify rows + drafter rows projected together up to this many rows per batch row: on
-# XLA:CPU a [rows, D] x [D, V] product costs about the same from 2 to ~16 rows and ~1.6x
-# that at 32, so one read of the [V, D] matrix beats two up to here.
+# XLA:CPU a [rows, D] x [D, V] product costs about the same for a few rows as for one and
+# grows slowly past that (BENCHMARKS.md, "forward cost vs new rows"), so one read of the
+# [V, D] matrix beats two up to here.
 FUSED_ROWS = 32
 
 # How bfloat16 weights multiply (layers.dense): "exact" everywhere (float32-accurate, so a
@@ -181,9 +182,7 @@ def extend_prompt(params, drafter_params, cache, tokens, counts, following, stat
         collect=_collected_layers(drafter, cfg),
     )  # fmt: skip
     entered = Entered(tokens, cache.lengths, counts, states)
-    no_steps = jnp.zeros((B, 1), jnp.int32)
-    inputs = DraftInputs({}, following, cache.lengths + counts, no_steps, counts * 0, None,
-                         entered, state)  # fmt: skip
+    inputs = DraftInputs({}, following, cache.lengths + counts, None, entered, state)
     return block, drafter.advance(params, drafter_params, inputs)
 
 
@@ -212,10 +211,8 @@ def prefill_and_draft(
     last_logits = lm_logits(params, cfg, h_at[cfg.n_layers][:, None])[:, 0]
     position = start + lengths  # the first new token's
     current = select_tokens(last_logits, position_keys(key, position), sampling)
-    emitted = jnp.zeros((B, tree.max_depth + 1), jnp.int32).at[:, 0].set(current)
-    one = jnp.ones((B,), jnp.int32)
     drafted = None if drafted is None else drafted[:, 0]
-    inputs = DraftInputs(h_at, current, position, emitted, one, drafted, entered, state)
+    inputs = DraftInputs(h_at, current, position, drafted, entered, state)
     candidates, state = _draft(drafter, params, drafter_params, tree, inputs, key)
     return current, candidates, block, state
 
@@ -281,9 +278,7 @@ def speculative_step(
         path_tokens, cache.lengths, n_emitted, {i: on_path(h) for i, h in states.items()}
     )
     position = cache.lengths + n_emitted
-    inputs = DraftInputs(
-        h_at, bonus, position, emitted, n_emitted, drafted, entered, state, draft_logits
-    )
+    inputs = DraftInputs(h_at, bonus, position, drafted, entered, state, draft_logits)
     candidates, state = _draft(drafter, params, drafter_params, tree, inputs, key)
     return emitted, n_emitted, bonus, candidates, gather_path(block, nodes), state
 
@@ -515,7 +510,7 @@ class SpeculativeGenerator:
 
     def _warm_up(self, programs: dict[str, Callable], pre_args, max_len: int) -> None:
         """Run fresh executables once on throwaway inputs: on XLA:CPU an executable's first
-        run costs several later ones (a prefill 0.4-0.6 s instead of 0.06-0.09 s), a
+        run costs several later ones (BENCHMARKS.md, "warm-up runs of fresh executables"), a
         one-time cost that belongs with compilation, not with generation."""
         prefill_params, dp, tokens, lengths, key, _, prefix = pre_args
         params, B = self.params, tokens.shape[0]

@@ -65,15 +65,15 @@ def write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Arra
     return jax.vmap(write_row)(buffer, new, starts)
 
 
-@partial(jax.jit, static_argnames=("first_layer",), donate_argnames=("cache",))
-def commit(cache: KVCache, block: KVBlock, n: jax.Array, first_layer: int = 0) -> KVCache:
-    """Write block (layers first_layer...) at each row's length and commit n [B] of its tokens.
+@partial(jax.jit, donate_argnames=("cache",))
+def commit(cache: KVCache, block: KVBlock, n: jax.Array) -> KVCache:
+    """Write block (every layer's) at each row's length and commit n [B] of its tokens.
 
     Slots past length + n hold the block's remaining tokens but stay invisible (attention
     only reads committed slots) and are overwritten by the next commit.
     """
     keys, values = list(cache.keys), list(cache.values)
-    for i, (k, v) in enumerate(zip(block.keys, block.values, strict=True), start=first_layer):
+    for i, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
         keys[i] = write_rows(keys[i], k, cache.lengths)
         values[i] = write_rows(values[i], v, cache.lengths)
     return KVCache(tuple(keys), tuple(values), cache.lengths + n)

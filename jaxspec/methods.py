@@ -47,10 +47,6 @@ def provide_devices_for(names, ppd_k: int | None = None, model_split: int = 1) -
         provide_devices(((ppd_k or PPD_K) + 1) * model_split)
 
 
-def check_method(name: str) -> None:
-    method(name)
-
-
 def make_drafter(name: str, cfg: LlamaConfig, settings, sdsat_loop: str | None = None):
     """The method's drafter as its folder's settings describe it."""
     options = {"sdsat_loop": sdsat_loop} if sdsat_loop is not None else {}

@@ -149,8 +149,8 @@ def _next_token(params, h, *, cfg):
     return jnp.argmax(lm_logits(params, cfg, h)[:, 0], -1).astype(jnp.int32)
 
 
-@partial(jax.jit, static_argnames=("cfg",), compiler_options=EXACT_ROUNDING)
-def _embed_token(params, token, *, cfg):
+@partial(jax.jit, compiler_options=EXACT_ROUNDING)
+def _embed_token(params, token):
     return embed(params, token.reshape(1, 1))
 
 
@@ -259,7 +259,7 @@ class PpdGenerator:
         tokens = jax.ShapeDtypeStruct((1, prompt_bucket), jnp.int32)
         one = jax.ShapeDtypeStruct((1,), jnp.int32)
         token, block = shape(_prefill, self.prefill_params, tokens, one, cfg=cfg)
-        h = shape(_embed_token, self.params, token, cfg=cfg)
+        h = shape(_embed_token, self.params, token)
         lower = {**self.params, "layers": self.params["layers"][:m]}
         layers = lambda p, c, a, b: (_layers, (p, c, h, one), dict(cfg=cfg, start=a, stop=b))  # noqa: E731
         return {
@@ -268,7 +268,7 @@ class PpdGenerator:
             "prefill_last_chunk": (_prefill, (self.prefill_params, tokens, one, cache),
                                    dict(cfg=cfg)),
             "commit_prompt": (commit, (cache, block, one), {}),
-            "embed": (_embed_token, (self.params, token), dict(cfg=cfg)),
+            "embed": (_embed_token, (self.params, token), {}),
             "layers_to_early_exit": layers(self.params, cache, 0, dbar),
             "layers_from_handover": layers(self.params, cache, m, dbar),
             "layers_after_early_exit": layers(self.params, cache, dbar, cfg.n_layers),
@@ -307,7 +307,7 @@ class PpdGenerator:
         cache, one = pipe.cache, jnp.ones((1,), jnp.int32)
         position = cache.lengths
         if pipe.handed is None:
-            h = _embed_token(self.params, pipe.token, cfg=cfg)
+            h = _embed_token(self.params, pipe.token)
             h, block_a = _layers(self.params, cache, h, position, cfg=cfg, start=0, stop=dbar)
             low = _lower(block_a, m)
             mid = KVBlock(block_a.keys[m:], block_a.values[m:])
@@ -321,7 +321,7 @@ class PpdGenerator:
             for c, d in zip(pipe.sub_caches, self.subs, strict=True)
         ]
         sub_runs = [
-            _layers(p, c, _embed_token(p, _put(guesses[j], d), cfg=cfg),
+            _layers(p, c, _embed_token(p, _put(guesses[j], d)),
                     _put(position + 1, d), cfg=cfg, start=0, stop=m)
             for j, (p, c, d) in enumerate(zip(self.sub_params, pipe.sub_caches, self.subs,
                                               strict=True))

@@ -112,7 +112,7 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: Retrieved | None =
     logits = logits[:, :D].astype(jnp.float32)
     norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B,D,1]
     # The barrier keeps this TopK a TopK: with the later ones in the same program, XLA:CPU
-    # otherwise rewrites it into a full sort of the vocabulary (~10 ms a depth at V=49k).
+    # otherwise rewrites it into a full sort of the vocabulary, far slower at V=49k.
     guess_lp, guess = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))  # [B,D,k]
     guess_lp = calibrated(guess_lp - norm, calibration)  # log probabilities of the guesses
     score, rank = jax.lax.top_k(guess_lp[:, 0], min(N, k))  # depth 1

@@ -66,7 +66,7 @@ def advance(drafter, params, dparams, state, tokens, start, count, hidden, curre
         {drafter.cfg.n_layers: hidden},
     )  # fmt: skip
     inputs = DraftInputs(
-        {}, jnp.asarray([current]), jnp.asarray([start + count]), None, None, None, entered, state
+        {}, jnp.asarray([current]), jnp.asarray([start + count]), None, entered, state
     )
     return drafter.advance(params, dparams, inputs)
 
@@ -121,7 +121,7 @@ def test_drafting_computes_what_training_trains(ngram, residual):
     )  # fmt: skip
     tree = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0), (1, 1, 0)])
     L = cfg.n_layers
-    inputs = DraftInputs({L: h[:, p - 1]}, seq[:, p], jnp.asarray([p]), None, None, state=state)
+    inputs = DraftInputs({L: h[:, p - 1]}, seq[:, p], jnp.asarray([p]), state=state)
     candidates, logits = drafter.draft_tree(params, dparams, inputs, tree)
     tokens = np.concatenate([np.asarray(seq[0, p:]), np.asarray(candidates[0])])  # per node
     internal = [i for i in range(tree.n_nodes) if i in tree.parent]

@@ -86,7 +86,7 @@ def test_cached_entries_equal_a_whole_sequence_pass(model, blocks):
         hidden = {n: h[:, start:stop] for n, h in states.items()}
         entered = Entered(tokens[:, start:stop], jnp.array([start]), jnp.array([stop - start]),
                           hidden)  # fmt: skip
-        inputs = DraftInputs({}, tokens[:, stop], jnp.array([stop]), None, None,
+        inputs = DraftInputs({}, tokens[:, stop], jnp.array([stop]),
                              entered=entered, state=state)  # fmt: skip
         state = drafter.advance(params, dp, inputs)
         np.testing.assert_allclose(state.newest[0], y[0, stop], rtol=2e-4, atol=2e-4)
@@ -108,7 +108,7 @@ def test_training_time_test_is_drafting_along_the_true_path(model, blocks):
 
     entered = Entered(tokens[:, :p], jnp.array([0]), jnp.array([p]),
                       {n: h[:, :p] for n, h in states.items()})  # fmt: skip
-    st = drafter.advance(params, dp, DraftInputs({}, tokens[:, p], jnp.array([p]), None, None,
+    st = drafter.advance(params, dp, DraftInputs({}, tokens[:, p], jnp.array([p]),
                                                  entered=entered, state=st))  # fmt: skip
     feature, ks, vs = st.newest[:, None], None, None
     ks = vs = jnp.zeros((1, drafter.kv_heads, 0, cfg.head_dim))
@@ -155,10 +155,10 @@ def test_dynamic_tree_is_the_n_best_of_all_scored(model):
     _, states = sequence_pass(drafter, params, dp, tokens)
     p = 5
     st = drafter.advance(params, dp, DraftInputs(
-        {}, tokens[:, p], jnp.array([p]), None, None, state=drafter.init_state(cfg, 1, 32, 0),
+        {}, tokens[:, p], jnp.array([p]), state=drafter.init_state(cfg, 1, 32, 0),
         entered=Entered(tokens[:, :p], jnp.array([0]), jnp.array([p]),
                         {n: h[:, :p] for n, h in states.items()})))  # fmt: skip
-    inputs = DraftInputs({}, tokens[:, p], jnp.array([p]), None, None, state=st)
+    inputs = DraftInputs({}, tokens[:, p], jnp.array([p]), state=st)
     tree = DynamicTree(10, 3, 3)
     draft = drafter.draft_dynamic(params, dp, inputs, tree)
     parent, token, depth = (np.asarray(x[0]) for x in (draft.parent, draft.tokens, draft.depth))

@@ -22,7 +22,7 @@ POSITION = jnp.array([11])
 
 
 def propose(tree: str, history=HISTORY, position=POSITION, **fields) -> list[int]:
-    inputs = DraftInputs({}, history[jnp.arange(1), position], position, None, None,
+    inputs = DraftInputs({}, history[jnp.arange(1), position], position,
                          state=LookupState(history))  # fmt: skip
     return LookupDrafter(**fields).propose(None, {}, tree_preset(tree), inputs, None)[0].tolist()
 

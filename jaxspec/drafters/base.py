@@ -63,9 +63,8 @@ class DraftInputs:
 
     hidden: layer count -> [B,D] state (after that many layers) at the node whose
     prediction is `current`; current [B]: the newest token (next step's root), not yet in
-    the cache; position [B]: its position; emitted [B,E] / n_emitted [B]: tokens this
-    step produced (E = max depth + 1; the last valid one is `current`); drafted: what the
-    drafter's own `run_model` computed for that node (FIRP: pseudo states), else None;
+    the cache; position [B]: its position; drafted: what the drafter's own `run_model`
+    computed for that node (FIRP: pseudo states), else None;
     entered: what joined the cache this round; state: the drafter's own (see Drafter);
     draft_logits [B,R,V]: the vocabulary projection of the drafter's `projected_rows` at
     that node, when the step computed it together with the verify logits.
@@ -74,8 +73,6 @@ class DraftInputs:
     hidden: dict[int, jax.Array]
     current: jax.Array
     position: jax.Array
-    emitted: jax.Array
-    n_emitted: jax.Array
     drafted: jax.Array | None = None
     entered: Entered | None = None
     state: object = None
