@@ -53,7 +53,8 @@ def _main(argv) -> None:
         return
     # The default model's folder is jaxspec's own cache: a conversion cut short is redone.
     what = "--out" if args.out else "the model cache ($JAXSPEC_HOME)"
-    check_output_dir(out, [src], overwrite=args.overwrite or args.src is None, what=what)
+    own = args.src is None and args.out is None  # the cache folder, not a user's
+    check_output_dir(out, [src], overwrite=args.overwrite or own, what=what)
     start = time.perf_counter()
     convert(src, out, args.to, name=None if args.src else DEFAULT_MODEL_NAME)
     print(f"converted {src} -> {out} ({args.to}) in {time.perf_counter() - start:.1f} s")

@@ -24,7 +24,13 @@ import numpy as np
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, DraftInputs, Entered, NoDrafter
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import MIN_PROMPT_BUCKET, GenerationResult, bucket, cache_len
+from jaxspec.generate import (
+    MIN_PROMPT_BUCKET,
+    GenerationResult,
+    bucket,
+    cache_len,
+    checked_max_len,
+)
 from jaxspec.kv_cache import KVCache, causal_mask, commit, init_cache, prompt_reads
 from jaxspec.layers import EXACT_ROUNDING
 from jaxspec.llama import (
@@ -330,7 +336,7 @@ class SpeculativeGenerator:
         self.drafter_params = drafter_params
         self.tree = self._checked_tree(tree or TreeSpec(()))
         self.sampling = sampling or Sampling()
-        self.max_len = max_len or cfg.max_position
+        self.max_len = checked_max_len(max_len, cfg.max_position)
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK.get(jax.default_backend(), 2048)
         # Programs are sized as for prompts of at least this many tokens (no longer than a
         # chunk): one shape for prompts of many lengths, where compiles are slow (a GPU).

@@ -19,6 +19,19 @@ def bucket(n: int, minimum: int) -> int:
     return power * 3 // 4 if n <= power * 3 // 4 and power >= 8 else power
 
 
+def checked_max_len(max_len: int | None, max_position: int) -> int:
+    """The cache length limit: `max_len`, else the model's context `max_position`; a limit
+    past that context (positions the model was never trained on) is a clear error."""
+    if max_len is None:
+        return max_position
+    if not 1 <= max_len <= max_position:
+        raise JaxspecError(
+            f"--max-len {max_len} is outside the model's context of {max_position} positions; "
+            f"pass 1 to {max_position} (or leave it out)"
+        )
+    return max_len
+
+
 def cache_len(
     prompt_len: int, max_new_tokens: int, extra: int, max_len: int, extra_why: str = "", fix=""
 ) -> int:

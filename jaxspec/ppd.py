@@ -36,7 +36,7 @@ from jaxspec.config import LlamaConfig
 from jaxspec.decode import PREFILL_CHUNK, checked_products, prefill_shape, prompt_chunks
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import GenerationResult, cache_len
+from jaxspec.generate import GenerationResult, cache_len, checked_max_len
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache, prompt_reads
 from jaxspec.layers import EXACT_ROUNDING, dense
 from jaxspec.llama import embed, lm_logits, plain_products, run_layers
@@ -227,7 +227,7 @@ class PpdGenerator:
         check_settings(cfg, k, layer)
         self.cfg, self.k, self.layer, self.head = cfg, k, layer, head
         self.m = cfg.n_layers - layer
-        self.max_len = max_len or cfg.max_position
+        self.max_len = checked_max_len(max_len, cfg.max_position)
         self.main, self.subs = place(stages(devices, model_split), k)
         if model_split > 1:
             check_divides(cfg, self.main)

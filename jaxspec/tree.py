@@ -263,6 +263,9 @@ class DynamicTree:
         return self if self.depth else dataclasses.replace(self, depth=depth)
 
 
+MAX_DEPTH = 1024  # deeper than any drafter drafts; a chain's paths grow as depth squared
+
+
 def tree_preset(name: str) -> TreeSpec | DynamicTree:
     """A preset, `chain-N` (any N >= 1), `comb-N-W` (TreeSpec.comb(N, W)) or `dynamic-N`
     (DynamicTree: N nodes with the root; `dynamic-N-D-W` sets its depth and guesses a node),
@@ -272,6 +275,12 @@ def tree_preset(name: str) -> TreeSpec | DynamicTree:
         return DynamicTree(int(m[1]), depth, width, name=name)
     if name in PRESETS:
         return dataclasses.replace(PRESETS[name], name=name)
+    deep = re.fullmatch(r"(?:chain|comb)-([1-9][0-9]*)(?:-[1-9][0-9]*)?", name)
+    if deep and int(deep[1]) > MAX_DEPTH:
+        raise JaxspecError(
+            f"tree {name} is {deep[1]} tokens deep; trees go at most {MAX_DEPTH} deep (no "
+            "drafter drafts further): pick a shallower one"
+        )
     if m := re.fullmatch(r"chain-([1-9][0-9]*)", name):
         return dataclasses.replace(TreeSpec.chain(int(m[1])), name=name)
     if m := re.fullmatch(r"comb-([1-9][0-9]*)-([1-9][0-9]*)", name):

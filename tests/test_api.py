@@ -259,6 +259,24 @@ def test_bad_generator_options_fail_at_construction(model, drafters):
         jaxspec.Generator(model, "medusa", drafter=drafters / "medusa", tree="no-such-tree")
 
 
+@pytest.mark.parametrize(
+    "method, option, message",
+    [
+        ("ppd", {"ppd_k": 0}, "--ppd-k must be a whole number from 1 to 16, got 0"),
+        ("ppd", {"ppd_k": 100}, "--ppd-k must be a whole number from 1 to 16, got 100"),
+        ("ppd", {"ppd_layer": 0}, "--ppd-layer must be a whole number >= 1, got 0"),
+        ("sdsat", {"sdsat_loop": "bogus"}, "--sdsat-loop must be one of two-forward"),
+        ("eagle", {"retrieval": -1}, "--retrieval must be a whole number >= 1, got -1"),
+        ("medusa", {"retrieval": 0}, "--retrieval must be a whole number >= 1, got 0"),
+        ("firp", {"firp_chains": 1.5}, "--firp-chains must be a whole number >= 0, got 1.5"),
+    ],
+)
+def test_method_options_out_of_range_are_refused_not_ignored(model, method, option, message):
+    """(ppd_k 0 once fell back to the default k; retrieval -1 reached top_k inside jit.)"""
+    with pytest.raises(jaxspec.JaxspecError, match=re.escape(message)):
+        jaxspec.Generator(model, method, **option)
+
+
 def test_load_model_from_an_hf_folder_matches_the_checkpoint(tmp_path, reference):
     hf_dir, _ = save_tiny(tmp_path, n_kv_heads=2)  # the model tiny_ckpt was converted from
     hf = jaxspec.load_model(hf_dir, dtype="float32")

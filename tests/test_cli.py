@@ -81,6 +81,7 @@ def test_generate_streams_text(tiny_ckpt, capsys):
     [
         (["--method", "nope", "w5"], "unknown method 'nope'"),
         (["--max-len", "16", "w5 " * 20], "exceeds the cache of 16 positions"),
+        (["--max-len", "100000", "w5"], "--max-len 100000 is outside the model's context"),
         (["   "], "empty prompt"),
         (["--top-p", "0", "w5"], "argument --top-p: must be in (0, 1]"),
         (["--tree", "chain-2", "w5"], "--tree picks a draft tree; --method ar has none"),

@@ -218,3 +218,15 @@ def test_sharded_hf_folder(tmp_path):
     np.testing.assert_allclose(
         jax_logits(tmp_path / "ours", tokens)[0], hf_logits(model, tokens), atol=1e-4, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("flags", [[], ["--if-missing"]])
+def test_the_default_model_into_a_users_folder_needs_overwrite(tmp_path, capsys, flags):
+    """Without SRC the packaged model converts into the cache, which is jaxspec's own; an
+    --out the user named is theirs, refused when it holds files (as with SRC)."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("mine")
+    err = one_line_error(convert_main, ["--out", str(out), *flags], capsys)
+    assert "is not empty" in err and "--overwrite" in err
+    assert (out / "tokenizer.json").read_text() == "mine"

@@ -95,6 +95,8 @@ def test_bad_lengths_are_clear_errors(tiny):
         gen.generate(list(range(3, 63)), 10)
     with pytest.raises(JaxspecError, match="max-new-tokens must be >= 1"):
         gen.generate([4], 0)
+    with pytest.raises(JaxspecError, match=f"outside the model's context of {cfg.max_position}"):
+        SpeculativeGenerator(cfg, params, max_len=cfg.max_position + 1)
 
 
 def test_bucket():

@@ -36,7 +36,8 @@ def conversations(n=12, seed=0):
 
 @pytest.fixture(scope="module")
 def trained(tiny_ckpt, tmp_path_factory, monkeypatch_module):
-    """Train 12 steps, 'interrupt', then resume to 20: (drafter dir, report, ckpt dir)."""
+    """Train 12 steps, 'interrupt', then resume to 20: (drafter dir, reports, ckpt dir, the
+    runs' flags but --steps)."""
     import train.features as features
     import train.medusa as medusa
 
@@ -49,7 +50,7 @@ def trained(tiny_ckpt, tmp_path_factory, monkeypatch_module):
               "--seq-len", "64", "--heads", "3", "--overwrite"]  # fmt: skip
     first = medusa.train([*common, "--steps", "12"])
     second = medusa.train([*common, "--steps", "20"])
-    return tmp / "out", first, second, tiny_ckpt[0]
+    return tmp / "out", first, second, tiny_ckpt[0], common
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def monkeypatch_module():
 
 
 def test_training_resumes_and_learns(trained):
-    out, first, second, _ = trained
+    out, first, second, *_ = trained
     assert first["steps"] == 12 and second["steps"] == 20  # resumption: tests/test_resume.py
     acc = np.array(second["test_topk_accuracy"])
     assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)  # top-k is monotone
@@ -80,12 +81,26 @@ def test_training_resumes_and_learns(trained):
     }
 
 
+def test_a_finished_run_run_again_reports_what_it_measured(trained):
+    """The same command after the last step trains nothing and writes the drafter again,
+    with the losses and minutes its training measured (not zeros)."""
+    import train.medusa as medusa
+
+    out, _, second, _, common = trained
+    again = medusa.train([*common, "--steps", "20"])
+    for key in ("steps", "final_loss_per_head", "train_minutes", "test_topk_accuracy"):
+        assert again[key] == second[key], key
+    assert f"Final training loss per head: {second['final_loss_per_head']}" in (
+        out / "CARD.md"
+    ).read_text()
+
+
 def test_init_starts_from_a_trained_drafter(trained, tmp_path):
     """--init DIR: training starts from that drafter's weights (with lr 0 one step keeps
     them exactly; fresh heads would be zeros); a drafter of another shape is refused."""
     import train.medusa as medusa
 
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     cfg, _ = load_checkpoint(ckpt)
     common = [*tiny_training_args(ckpt, tmp_path, train_seqs=10, batch=32, lr=0),
               "--seq-len", "64", "--steps", "1", "--init", str(out), "--overwrite"]  # fmt: skip
@@ -105,7 +120,7 @@ def test_heads_with_their_own_lm_head_train_and_stay_lossless(trained, tmp_path)
     is trained, is written with the settings that rebuild it, and decodes losslessly."""
     import train.medusa as medusa
 
-    _, _, _, ckpt = trained
+    _, _, _, ckpt, _ = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)
     medusa.train([*tiny_training_args(ckpt, tmp_path, train_seqs=10, batch=32, lr=0.01),
                   "--seq-len", "64", "--steps", "4", "--heads", "2", "--own-lm-head"])  # fmt: skip
@@ -124,7 +139,7 @@ def test_heads_with_their_own_lm_head_train_and_stay_lossless(trained, tmp_path)
 
 
 def test_self_data_is_the_models_greedy_answer(trained):
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)
     work = out.parent / "work"  # --work-dir holds the answers, nothing goes beside it
     assert not list(out.parent.glob("*.npz"))
@@ -137,7 +152,7 @@ def test_self_data_is_the_models_greedy_answer(trained):
 
 
 def test_trained_medusa_is_lossless(trained):
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)
     settings, dparams, _ = load_drafter(out, "medusa", cfg)
     drafter = MedusaDrafter(cfg, settings.n_heads)
@@ -155,7 +170,7 @@ def test_trained_medusa_is_lossless(trained):
 
 
 def test_trained_medusa_carries_its_calibration_into_dynamic_trees(trained):
-    out, _, second, ckpt = trained
+    out, _, second, ckpt, _ = trained
     cfg, params = load_checkpoint(ckpt, jnp.float32)
     settings, dparams, _ = load_drafter(out, "medusa", cfg)
     drafter = MedusaDrafter.from_settings(cfg, settings)
@@ -181,7 +196,7 @@ def test_untrained_heads_copy_the_base_prediction(tiny_ckpt):
 
 
 def test_drafter_errors(trained, tmp_path):
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     cfg, _ = load_checkpoint(ckpt)
     with pytest.raises(JaxspecError, match="no drafter at .*jaxspec-train medusa"):
         load_drafter(tmp_path / "none", "medusa", cfg)
@@ -204,7 +219,7 @@ def test_drafter_errors(trained, tmp_path):
 def test_generate_cli_medusa(trained, capsys):
     from infer.generate import main
 
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     base = ["--model", str(ckpt), "--json", "--max-new-tokens", "16", "w5 w9 w7"]
     main(base)
     ar = json.loads(capsys.readouterr().out)
@@ -220,7 +235,7 @@ def test_generate_cli_medusa(trained, capsys):
 def test_bench_runs_a_given_drafter(trained, tmp_path, capsys):
     from infer.bench import main
 
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"question_id": 1, "turns": ["w5 w9 w7"]}\n')
     argv = ["--model", str(ckpt), "--questions", str(questions), "--max-new-tokens", "12"]
@@ -245,7 +260,7 @@ def test_bench_rows_with_a_label_run_their_own_drafter(trained, tmp_path, capsys
 
     from infer.bench import main
 
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     zeroed = tmp_path / "zeroed"  # the same drafter with every weight zero: other drafts
     shutil.copytree(out, zeroed)
     weights = load_file(zeroed / "drafter.safetensors")
@@ -271,7 +286,7 @@ def test_bench_rows_with_a_label_run_their_own_drafter(trained, tmp_path, capsys
 def test_bench_verifies_with_typical_acceptance_when_asked(trained, tmp_path, capsys):
     from infer.bench import main
 
-    out, _, _, ckpt = trained
+    out, _, _, ckpt, _ = trained
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"question_id": 1, "turns": ["w5 w9 w7"]}\n')
     argv = ["--model", str(ckpt), "--questions", str(questions), "--max-new-tokens", "12",

@@ -360,3 +360,12 @@ def test_full_step_losses_are_the_papers(loss):
     )  # fmt: skip
     np.testing.assert_allclose([value, got_standard, got_adaptive],
                                [expected, standard, adaptive], rtol=1e-5)  # fmt: skip
+
+
+def test_the_papers_schedule_warms_up_a_fifth_and_trains_even_one_step():
+    from train.optim import paper_schedule
+
+    ten = paper_schedule(1.0, 10)
+    assert float(ten(0)) == 0.0 and float(ten(2)) == 1.0 and 0.2 < float(ten(9)) < 1.0
+    assert float(paper_schedule(1.0, 2)(0)) == 0.0  # one warm-up step, then the decay
+    assert float(paper_schedule(1.0, 1)(0)) == 1.0  # no warm-up: its one step trains

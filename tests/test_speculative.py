@@ -63,6 +63,14 @@ def test_bad_trees_are_clear_errors(paths, message):
         tree_preset("nope")
 
 
+@pytest.mark.parametrize("name", ["chain-99999", "comb-2000-3"])
+def test_trees_deeper_than_any_drafter_are_refused_before_they_are_built(name):
+    """(chain-99999's paths would hold ~5e9 ranks: the process would die for memory.)"""
+    with pytest.raises(JaxspecError, match=f"tree {name} is \\d+ tokens deep; trees go at most"):
+        tree_preset(name)
+    assert tree_preset("chain-1024").n_nodes == 1025
+
+
 def test_tree_search_is_optimal_on_a_small_case():
     acc = np.array([[0.7, 0.2], [0.5, 0.1]])
     tree = search_tree(acc, 4)  # values: (0)=.7 (0,0)=.35 (1)=.2 (0,1)=.07 (1,0)=.1

@@ -175,7 +175,9 @@ class Medusa(Trainer):
 
     def finish(self, state, losses) -> Result:
         args = self.args
-        losses = np.zeros(args.heads) if losses is None else losses
+        record = self.record(lambda: {
+            "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
+        })  # fmt: skip
         accuracy, calibration = evaluate(self.drafter, self.model.params, state["params"],
                                          self.test_f, args.targets)  # fmt: skip
         settings = MedusaSettings(
@@ -184,11 +186,10 @@ class Medusa(Trainer):
         )  # fmt: skip
         report = {
             "steps": int(state["step"]),
-            "final_loss_per_head": [round(float(x), 4) for x in np.asarray(losses)],
+            **record,
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
             "calibration": [list(pair) for pair in calibration],
             "train_positions": int(len(self.pairs)),
-            "train_minutes": self.minutes(),
         }
         return Result(report, settings, state["params"], card(args, self.cfg, report), self.test_f)
 

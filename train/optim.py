@@ -5,12 +5,16 @@ from __future__ import annotations
 import optax
 
 
+def paper_schedule(lr: float, steps: int):
+    """SDSAT's learning rate: warm-up over the first fifth of the steps (at least one, none
+    in a one-step run, which would otherwise train at lr 0), then cosine to lr/5."""
+    warmup = min(max(steps // 5, 1), steps - 1)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 5)
+
+
 def paper_schedule_adamw(lr: float, steps: int):
-    """SDSAT's recipe: AdamW (beta2 0.95), warm-up over the first fifth, cosine to lr/5."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, lr, max(steps // 5, 1), steps, end_value=lr / 5
-    )
-    return optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    """SDSAT's recipe: AdamW (beta2 0.95) on `paper_schedule`."""
+    return optax.adamw(paper_schedule(lr, steps), b2=0.95, weight_decay=0.0)
 
 
 def apply_grads(state: dict, grads, optimizer) -> dict:

@@ -217,6 +217,9 @@ def _prefill_row(add: Add, cfg, params, prompt, how: str, chunk: int | None, rep
     """One prefill row (chunk None: the generator's default) -> None, or the prompt's
     length when it did not fit (the row says so)."""
     n = len(prompt)
+    # Timing only (random weights): a prompt past the shapes' context (Llama-3-8B's 8192;
+    # 3.1's 128k) costs what it would at a longer-context model's.
+    cfg = dataclasses.replace(cfg, max_position=max(cfg.max_position, n + 8))
     generator = SpeculativeGenerator(cfg, params, max_len=n + 8, products=how, prefill_chunk=chunk)
     row = {"tokens": n, "products": how, "chunk": generator.prefill_chunk}
     try:

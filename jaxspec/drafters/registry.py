@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import numbers
 
 from jaxspec.errors import JaxspecError
 
@@ -33,6 +34,22 @@ ROW_VALUES = {
         "+R (R >= 1 retrieved continuations joining a dynamic tree)",
         lambda t: _count(t, 1),
     ),  # fmt: skip
+}
+
+
+def _whole(at_least: int, at_most: int | None = None):
+    return lambda v: (isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                      and at_least <= v <= (v if at_most is None else at_most))  # fmt: skip
+
+
+MAX_PPD_K = 16  # PPD runs k + 1 copies of the model, one a stage
+# option -> (what a value must be, its check), for the values `Generator` is given
+OPTION_VALUES = {
+    "firp_chains": ("a whole number >= 0", _whole(0)),
+    "sdsat_loop": (f"one of {', '.join(SDSAT_LOOPS)}", lambda v: v in SDSAT_LOOPS),
+    "ppd_layer": ("a whole number >= 1", _whole(1)),
+    "ppd_k": (f"a whole number from 1 to {MAX_PPD_K}", _whole(1, MAX_PPD_K)),
+    "retrieval": ("a whole number >= 1", _whole(1)),
 }
 
 
@@ -113,9 +130,11 @@ def check_options(m: Method, tree=None, drafter=None, **options) -> None:
     if drafter is not None and not m.drafter_folder:
         raise JaxspecError(f"--drafter applies to speculative methods; --method {m.name} has none")
     for option, value in options.items():
+        flag = "--" + option.replace("_", "-")
         if value is not None and option not in m.options:
-            flag = "--" + option.replace("_", "-")
             raise JaxspecError(f"{flag} applies to --method {owners(option)} only")
+        if value is not None and not OPTION_VALUES[option][1](value):
+            raise JaxspecError(f"{flag} must be {OPTION_VALUES[option][0]}, got {value!r}")
 
 
 def row_source(row: str) -> str:
