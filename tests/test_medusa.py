@@ -90,9 +90,8 @@ def test_a_finished_run_run_again_reports_what_it_measured(trained):
     again = medusa.train([*common, "--steps", "20"])
     for key in ("steps", "final_loss_per_head", "train_minutes", "test_topk_accuracy"):
         assert again[key] == second[key], key
-    assert f"Final training loss per head: {second['final_loss_per_head']}" in (
-        out / "CARD.md"
-    ).read_text()
+    card = (out / "CARD.md").read_text()
+    assert f"Final training loss per head: {second['final_loss_per_head']}" in card
 
 
 def test_init_starts_from_a_trained_drafter(trained, tmp_path):
