@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxspec.checkpoint import (
     CONFIG_FILE,
+    WEIGHTS_FILE,
     default_dtype,
     is_checkpoint,
     load_checkpoint,
@@ -59,6 +60,11 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
         raise JaxspecError(
             f"no model at {path}: pass a jaxspec checkpoint folder (`jaxspec-convert SRC --out "
             "DIR` makes one), an HF model folder or a .gguf file"
+        )
+    if (path / CONFIG_FILE).is_file() and not (path / WEIGHTS_FILE).is_file():
+        raise JaxspecError(
+            f"{path} holds a jaxspec {CONFIG_FILE} but no {WEIGHTS_FILE}: a conversion that did "
+            "not finish; run jaxspec-convert again"
         )
     mesh = as_mesh(mesh)
     if is_checkpoint(path) and mesh is not None:  # each process reads only its shards

@@ -196,6 +196,24 @@ def test_corrupt_jaxspec_checkpoint(tiny_ckpt, tmp_path):
         load_checkpoint(tmp_path / "nothing")
 
 
+def test_a_checkpoint_missing_its_weights_or_with_a_damaged_tokenizer(tiny_ckpt, tmp_path):
+    """Named as what they are (not "no config.json", not a JSONDecodeError), with the fix."""
+    import shutil
+
+    from jaxspec.models import load_model
+
+    half = tmp_path / "half"
+    shutil.copytree(tiny_ckpt[0], half)
+    (half / WEIGHTS_FILE).unlink()
+    with pytest.raises(JaxspecError, match="holds a jaxspec jaxspec.json but no model.safetensors"):
+        load_model(half)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_ckpt[0], damaged)
+    (damaged / "tokenizer.json").write_text("{\n oops")
+    with pytest.raises(JaxspecError, match=f"cannot read the tokenizer in {damaged} .*convert"):
+        load_model(damaged)
+
+
 def test_not_a_gguf_file(tmp_path, capsys):
     (tmp_path / "x.bin").write_bytes(b"1234")
     err = convert_error(capsys, tmp_path / "x.bin", tmp_path / "o")

@@ -85,16 +85,26 @@ _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(folder: Path):
-    """The folder's tokenizer (with its chat template), or None when it has none."""
+    """The folder's tokenizer (with its chat template), or None when it has none; one that
+    cannot be read is a one-line error naming the folder."""
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    settings = folder / "tokenizer_config.json"
-    named = json.loads(settings.read_text()).get("tokenizer_class") if settings.is_file() else None
-    if named in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
-    return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        settings = folder / "tokenizer_config.json"
+        named = (
+            json.loads(settings.read_text()).get("tokenizer_class") if settings.is_file() else None
+        )
+        if named in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # the tokenizers library raises plain Exceptions for bad files
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise JaxspecError(
+            f"cannot read the tokenizer in {folder} ({type(e).__name__}: {why}); its "
+            "tokenizer files are damaged: download or convert the model again"
+        ) from None
 
 
 def save_hf_folder(out: Path, cfg: LlamaConfig, params: dict, tokenizer=None) -> None:
