@@ -149,6 +149,10 @@ def parse_drafters(items: list[str], methods: list[str]) -> dict[str, Path]:
             raise JaxspecError(f"--drafter {item}: {method!r} is not a method with a drafter")
         if source not in sources:
             raise JaxspecError(f"--drafter {item}: no {source} row in --methods")
+        if source in drafters:
+            raise JaxspecError(f"--drafter {source} is given twice; give each row one drafter "
+                               f"(a second one: a row {method}#LABEL with --drafter "
+                               f"{method}#LABEL=DIR)")  # fmt: skip
         drafters[source] = Path(folder)
     unnamed = sorted(s for s in sources if "#" in s and s not in drafters)
     if unnamed:

@@ -40,6 +40,8 @@ PEERS = ("hf",)
 
 def check_rows(rows: list[str]) -> list[str]:
     """The rows to run, "ar" first, each checked (one-line errors for bad names)."""
+    if not rows:
+        raise JaxspecError("--methods names no rows; give some, e.g. --methods ar,medusa")
     for m in rows:
         if m not in PEERS:
             _, _, dtype = parse_row(m)

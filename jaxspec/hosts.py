@@ -47,6 +47,8 @@ def check(coordinator: str | None, num_processes: int | None, process_id: int | 
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise JaxspecError(f"--coordinator {coordinator!r}: expected HOST:PORT, e.g. 10.0.0.1:1234")
+    if not 1 <= int(port) <= 65535:
+        raise JaxspecError(f"--coordinator {coordinator!r}: port {port} is outside 1..65535")
     if num_processes is None or process_id is None or num_processes < 1:
         raise JaxspecError("--coordinator HOST:PORT needs --num-processes N and --process-id I")
     if not 0 <= process_id < num_processes:

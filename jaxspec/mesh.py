@@ -33,6 +33,9 @@ SPLIT_SIZES = {
 }
 
 
+MAX_MESH_DEVICES = 4096
+
+
 def parse_mesh(text: str) -> dict[str, int]:
     """ "data=2,model=4" (either may be left out: 1) -> {"data": 2, "model": 4}."""
     shape = dict.fromkeys(MESH_AXES, 1)
@@ -44,6 +47,11 @@ def parse_mesh(text: str) -> dict[str, int]:
                 "and N >= 1, e.g. --mesh data=1,model=2"
             )
         shape[name] = int(size)
+    if (n := math.prod(shape.values())) > MAX_MESH_DEVICES:
+        raise JaxspecError(
+            f"--mesh {text!r} asks for {n} devices; a mesh holds at most {MAX_MESH_DEVICES} "
+            "(a TPU v4 pod's chips): pick smaller axes"
+        )
     return shape
 
 

@@ -31,6 +31,8 @@ CFG3 = dataclasses.replace(
     [
         (None, 2, 0, "need --coordinator"),
         ("localhost", 2, 0, "expected HOST:PORT"),
+        ("localhost:0", 1, 0, "port 0 is outside 1..65535"),  # it waited forever
+        ("localhost:70000", 1, 0, "port 70000 is outside 1..65535"),
         ("localhost:99", None, 0, "needs --num-processes N and --process-id I"),
         ("localhost:99", 2, 2, "--process-id 2 is outside 0..1"),
         ("auto", 2, None, "drop --num-processes"),

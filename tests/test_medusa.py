@@ -252,6 +252,10 @@ def test_bench_runs_a_given_drafter(trained, tmp_path, capsys):
     ]:
         err = one_line_error(main, [*argv, "--methods", "medusa", "--drafter", drafter], capsys)
         assert message in err
+    twice = ["--drafter", f"medusa={out}", "--drafter", f"medusa={tmp_path}"]
+    err = one_line_error(main, [*argv, "--methods", "medusa", *twice], capsys)
+    assert "--drafter medusa is given twice" in err
+    assert "names no rows" in one_line_error(main, [*argv, "--methods", " , "], capsys)
 
 
 def test_bench_rows_with_a_label_run_their_own_drafter(trained, tmp_path, capsys):

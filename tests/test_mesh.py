@@ -47,6 +47,9 @@ def test_parse_mesh():
     for bad in ("model=0", "tensor=2", "model=x", "model"):
         with pytest.raises(JaxspecError, match="expected AXIS=N pairs"):
             parse_mesh(bad)
+    assert parse_mesh("data=64,model=64") == {"data": 64, "model": 64}
+    with pytest.raises(JaxspecError, match="asks for 1000000000000 devices; a mesh holds at"):
+        parse_mesh("data=1000000,model=1000000")  # XLA aborted, asked for as many
 
 
 def test_mesh_sizes_are_checked():
