@@ -412,3 +412,14 @@ def test_a_transformer_bottom_trains_but_its_drafter_is_refused(tiny_ckpt, tmp_p
     assert "accepted_per_step" not in report
     with pytest.raises(JaxspecError, match="training-only ablation"):
         build_generator(load_model(tiny_ckpt[0]), "chimera", tmp_path / "out")
+
+
+def test_a_card_names_the_draft_vocabulary_built_not_only_the_one_asked_for():
+    from train.chimera import most_frequent
+
+    assert most_frequent(16384, 16384, "--draft-vocab") == (
+        "the training answers' 16384 most frequent tokens"
+    )
+    assert most_frequent(17, 999999999, "--guess-vocab") == (
+        "all 17 tokens of the training answers (fewer than --guess-vocab 999999999)"
+    )

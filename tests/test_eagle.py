@@ -262,8 +262,11 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
     assert second["history"] == first["history"]  # kept in the run's record
     model = jaxspec.load_model(ckpt, dtype="float32")
     settings, _, data = load_drafter(out, "eagle", model.cfg)
-    assert len(data["draft_vocab"]) <= 40 + len(model.cfg.eos_token_ids)
+    size = len(data["draft_vocab"])
+    assert second["draft_vocab_size"] == size <= 40 + len(model.cfg.eos_token_ids)
     card = (out / "CARD.md").read_text()
+    named = "the training answers' 40 most" if size >= 40 else f"all {size} tokens of the"
+    assert f"Draft vocabulary: {named}" in card  # what was built, not only what was asked
     assert "# EAGLE-class drafter" in card and "| 4 | 0." in card  # the history table
     ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
     for tree in ("chain-2", "searched-8", "dynamic-8"):

@@ -129,6 +129,13 @@ def frequent_tokens(features: dict, n: int, always: tuple[int, ...]) -> list[int
     return sorted(set(top[counts[top] > 0].tolist()) | set(always))
 
 
+def most_frequent(size: int, asked: int, flag: str) -> str:
+    """A card's words for a draft vocabulary of `size` tokens that `flag asked` chose."""
+    if size < asked:  # the answers hold fewer distinct tokens than asked for
+        return f"all {size} tokens of the training answers (fewer than {flag} {asked})"
+    return f"the training answers' {asked} most frequent tokens"
+
+
 def frequent_ngrams(features: dict, n: int, count: int) -> list[list[int]]:
     """The `count` most frequent n-grams ending in the answers, most frequent first (ties in
     first-seen order)."""
@@ -258,6 +265,7 @@ class Chimera(Trainer):
         report = {
             "steps": int(state["step"]),
             **record,
+            "draft_vocab_size": len(data["draft_vocab"]) if args.draft_vocab else None,
             "draft_vocab_test_coverage": coverage,
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
         }
@@ -297,7 +305,7 @@ def card(args, cfg, report) -> str:
   the machine that trained it.
 - Final training loss per head: {report.get("final_loss_per_head")}
 - Draft vocabulary: {
-        f"the {args.draft_vocab} most frequent answer tokens, covering "
+        f"{most_frequent(report['draft_vocab_size'], args.draft_vocab, '--draft-vocab')}, covering "
         f"{report['draft_vocab_test_coverage']:.1%} of the test answers' tokens"
         if args.draft_vocab
         else "the whole vocabulary"

@@ -56,7 +56,7 @@ from jaxspec.tree import searched_trees
 from . import skeleton
 from .args import parse, trainer_parser
 from .checkpoints import command_flags, run_record, started_from
-from .chimera import frequent_tokens, row_range, sample_rows, vocab_coverage
+from .chimera import frequent_tokens, most_frequent, row_range, sample_rows, vocab_coverage
 from .features import (
     layer_features,
     live_states,
@@ -476,6 +476,7 @@ class Eagle(Trainer):
         report = {
             "steps": int(state["step"]),
             **record,
+            "draft_vocab_size": None if self.vocab_ids is None else len(self.vocab_ids),
             "draft_vocab_test_coverage": coverage,
             "test_topk_accuracy": [[round(float(x), 4) for x in row] for row in accuracy],
             "seen_topk_accuracy": [[round(float(x), 4) for x in row] for row in both["seen"]],
@@ -553,7 +554,7 @@ def card(args, cfg, drafter, report) -> str:
         source = (
             "that of the drafter it started from"
             if args.keep_vocab
-            else f"the training answers' {args.guess_vocab} most frequent tokens"
+            else most_frequent(report["draft_vocab_size"], args.guess_vocab, "--guess-vocab")
         )
         share = report["draft_vocab_test_coverage"]
         vocab = f"{source}, covering {share:.1%} of the test answers' tokens"
