@@ -54,8 +54,11 @@ def test_eagle_decodes_ars_tokens(model, drafter_dir, tree):
 
 
 def test_eagle_refuses_trees_beyond_its_depth(model, drafter_dir):
-    with pytest.raises(JaxspecError, match="drafts at most 3 deep"):
+    with pytest.raises(JaxspecError, match=r"dynamic\) is 4 deep; this drafter drafts at most 3"):
         jaxspec.Generator(model, "eagle", drafter=drafter_dir, tree="dynamic-8-4-2")
+    # 2 + 2 x 2 x 2 = 10 candidates for 12 nodes (14 within reach of the tree's own count)
+    with pytest.raises(JaxspecError, match="scores 10 candidates, fewer than the tree's 12"):
+        jaxspec.Generator(model, "eagle", drafter=drafter_dir, tree="dynamic-13-3-2")
 
 
 def sequence_pass(drafter, params, dp, tokens):

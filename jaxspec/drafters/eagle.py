@@ -140,11 +140,16 @@ class EagleDrafter(Drafter):
             return
         k, D = tree.width, tree.max_depth
         scored = k + (D - 1) * k * k  # the root's guesses, then k*k a depth
-        if self.depth < D or tree.n_nodes - 1 > scored:
+        if self.depth < D:
             raise JaxspecError(
-                f"{tree.label}: this drafter drafts at most {self.depth} deep and scores "
-                f"{scored} nodes at depth {D} and {k} guesses a node; pick a tree within "
-                "those (dynamic-N-DEPTH-WIDTH)"
+                f"{tree.label} is {D} deep; this drafter drafts at most {self.depth} deep: "
+                f"pick a depth of at most {self.depth} (dynamic-N-DEPTH-WIDTH)"
+            )
+        if tree.n_nodes - 1 > scored:
+            raise JaxspecError(
+                f"{tree.label}: {D} deep at {k} guesses a node, this drafter scores {scored} "
+                f"candidates, fewer than the tree's {tree.n_nodes - 1} drafted nodes; take fewer "
+                "nodes or more guesses (dynamic-N-DEPTH-WIDTH)"
             )
 
     # -- the blocks
