@@ -17,6 +17,7 @@ from jaxspec.cli import (
     mesh_flag,
     nonnegative_int,
     positive_int,
+    ppd_k,
     probability,
     run_main,
     seed,
@@ -89,7 +90,7 @@ def parse_args(argv=None):
         help="drafted rows verify with Medusa's typical acceptance (NOT lossless; needs "
         "--temperature > 0)",
     )
-    p.add_argument("--ppd-k", type=positive_int, help="ppd rows: sub-processes (default 3)")
+    p.add_argument("--ppd-k", type=ppd_k, help="ppd rows: sub-processes (default 3)")
     p.add_argument(
         "--dtype",
         choices=DTYPES,

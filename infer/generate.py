@@ -13,6 +13,7 @@ from jaxspec.cli import (
     ArgumentParser,
     nonnegative_int,
     positive_int,
+    ppd_k,
     probability,
     run_main,
     seed,
@@ -56,9 +57,7 @@ def parse_args(argv=None):
         action="store_true",
         help="Medusa's typical acceptance (faster, NOT lossless: changes the output distribution)",
     )
-    p.add_argument(
-        "--ppd-k", type=positive_int, help="ppd: sub-processes (needs k+1 devices; default 3)"
-    )
+    p.add_argument("--ppd-k", type=ppd_k, help="ppd: sub-processes (needs k+1 devices; default 3)")
     p.add_argument(
         "--ppd-layer", type=positive_int, help="ppd: early-prediction layer (>= half the depth)"
     )

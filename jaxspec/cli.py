@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from jaxspec.drafters.registry import MAX_PPD_K
 from jaxspec.errors import JaxspecError
 
 DEBUG_ENV = "JAXSPEC_DEBUG"
@@ -86,6 +87,7 @@ positive_float = _bounded(float, 0, low_open=True, says="must be positive")
 nonnegative_float = _bounded(float, 0, says="must be 0 or more")
 temperature = _bounded(float, 0, says="must be 0 (greedy) or positive")
 probability = _bounded(float, 0, 1, low_open=True, says="must be in (0, 1]")
+ppd_k = _bounded(int, 1, MAX_PPD_K, says=f"must be from 1 to {MAX_PPD_K}")
 # The bound of sampling.check_seed, checked here without importing jax.
 seed = _bounded(int, 0, 2**32 - 1, says="a seed is an integer from 0 to 2**32 - 1")
 

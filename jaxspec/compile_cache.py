@@ -1,11 +1,11 @@
 """Compiled programs kept on disk (jax's persistent compilation cache), for the device
 campaign and for training where compiles are slow (`compiles_are_slow`).
 
-On a GPU a program takes tens of seconds to compile. Within one process jax already reuses a program
-it has compiled (AR's, in every group of the end-to-end part); the cache keeps them for
-the next process: a later call on the same machine (a warm device machine keeps its disk
-between calls) loads them instead of compiling again (a resumed training run: its step
-and its evaluation's decoding programs)."""
+On a GPU a program takes tens of seconds to compile. Within one process jax already
+reuses a program it has compiled (AR's, in every group of the end-to-end part); the cache
+keeps them for the next process: a later call on the same machine (a warm device machine
+keeps its disk between calls) loads them instead of compiling again (a resumed training
+run: its step and its evaluation's decoding programs)."""
 
 from __future__ import annotations
 

@@ -63,8 +63,8 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
         )
     if (path / CONFIG_FILE).is_file() and not (path / WEIGHTS_FILE).is_file():
         raise JaxspecError(
-            f"{path} holds a jaxspec {CONFIG_FILE} but no {WEIGHTS_FILE}: a conversion that did "
-            "not finish; run jaxspec-convert again"
+            f"{path} holds a jaxspec {CONFIG_FILE} but no {WEIGHTS_FILE} (removed, or a copy "
+            "cut short); run jaxspec-convert again"
         )
     mesh = as_mesh(mesh)
     if is_checkpoint(path) and mesh is not None:  # each process reads only its shards

@@ -267,7 +267,7 @@ MAX_DEPTH = 1024  # deeper than any drafter drafts; a chain's paths grow as dept
 
 
 def tree_preset(name: str) -> TreeSpec | DynamicTree:
-    """A preset, `chain-N` (any N >= 1), `comb-N-W` (TreeSpec.comb(N, W)) or `dynamic-N`
+    """A preset, `chain-N` (1 <= N <= MAX_DEPTH), `comb-N-W` (TreeSpec.comb(N, W)) or `dynamic-N`
     (DynamicTree: N nodes with the root; `dynamic-N-D-W` sets its depth and guesses a node),
     named `name`."""
     if m := re.fullmatch(r"dynamic-([1-9][0-9]*)(?:-([1-9][0-9]*)-([1-9][0-9]*))?", name):

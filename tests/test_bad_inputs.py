@@ -248,6 +248,13 @@ CASES = [
     Case("stdin-not-utf8", "generate", gen("-"), "standard input is not UTF-8", stdin=b"\xff\n"),
     Case("questions-not-utf8", "bench", bench(), "not UTF-8", write("q.jsonl", b"\xff\xfe\n")),
     Case("ppd-k-negative", "generate", gen("--method", "ppd", "--ppd-k", "-1", PROMPT), "--ppd-k"),
+    # k + 1 devices: refused before XLA is asked for them
+    Case(
+        "ppd-k-huge",
+        "generate",
+        gen("--method", "ppd", "--ppd-k", "1000000", PROMPT),
+        "--ppd-k: must be from 1 to 16, got 1000000",
+    ),
     # data loss: outputs checked before any work, sources and users' files never replaced
     Case(
         "bench-out-markdown",

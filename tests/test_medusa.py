@@ -92,6 +92,9 @@ def test_a_finished_run_run_again_reports_what_it_measured(trained):
         assert again[key] == second[key], key
     card = (out / "CARD.md").read_text()
     assert f"Final training loss per head: {second['final_loss_per_head']}" in card
+    for record in (out.parent / "work").rglob("record.json"):  # a run finished before records
+        record.unlink()
+    assert "final_loss_per_head" not in medusa.train([*common, "--steps", "20"])
 
 
 def test_init_starts_from_a_trained_drafter(trained, tmp_path):

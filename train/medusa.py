@@ -226,9 +226,9 @@ def card(args, cfg, report) -> str:
 - Data: {DATA[args.data]}, {args.train_seqs} train-split conversations:
   {report["train_positions"]} training positions.
 - Training: {report["steps"]} steps of {args.batch} positions, AdamW lr {args.lr} cosine,
-  head weights {args.decay}**k; {report["train_minutes"]} minutes end to end on the machine
-  that trained it.
-- Final training loss per head: {report["final_loss_per_head"]}
+  head weights {args.decay}**k; {report.get("train_minutes")} minutes end to end on the
+  machine that trained it.
+- Final training loss per head: {report.get("final_loss_per_head")}
 {started_from(args)}- Command: `jaxspec-train medusa {command_flags(args)}`
 
 Test-split accuracy ({args.test_seqs} ShareGPT test conversations, same kind of data),

@@ -99,12 +99,14 @@ def load_tokenizer(folder: Path):
         if named in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(str(folder))
         return AutoTokenizer.from_pretrained(str(folder))
+    except (ImportError, MemoryError):
+        raise
     except Exception as e:  # the tokenizers library raises plain Exceptions for bad files
         why = (str(e).splitlines() or [""])[0][:200]
         raise JaxspecError(
-            f"cannot read the tokenizer in {folder} ({type(e).__name__}: {why}); its "
-            "tokenizer files are damaged: download or convert the model again"
-        ) from None
+            f"cannot read the tokenizer in {folder} ({type(e).__name__}: {why}); if its files "
+            "are damaged, download or convert the model again"
+        ) from e
 
 
 def save_hf_folder(out: Path, cfg: LlamaConfig, params: dict, tokenizer=None) -> None:
