@@ -25,6 +25,17 @@ import numpy as np
 
 from jaxspec.errors import JaxspecError
 
+MAX_DEPTH = 1024  # deeper than any drafter drafts; a chain's paths grow as depth squared
+
+
+def check_depth(depth: int, name: str) -> None:
+    """Refuse a tree deeper than MAX_DEPTH before its paths are built."""
+    if depth > MAX_DEPTH:
+        raise JaxspecError(
+            f"tree {name} is {depth} tokens deep; trees go at most {MAX_DEPTH} deep (no "
+            "drafter drafts further): pick a shallower one"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
@@ -49,12 +60,14 @@ class TreeSpec:
     @classmethod
     def chain(cls, depth: int) -> TreeSpec:
         """Top-1 guesses only: a chain of `depth` drafted tokens."""
+        check_depth(depth, f"chain-{depth}")
         return cls.from_paths([(0,) * d for d in range(1, depth + 1)])
 
     @classmethod
     def comb(cls, depth: int, width: int) -> TreeSpec:
         """The top-1 chain of `depth` tokens with the rank 1..width-1 alternatives of every
         depth hanging off it (SDSAT's sampling trees: top-`width` per position)."""
+        check_depth(depth, f"comb-{depth}-{width}")
         return cls.from_paths([(0,) * d + (r,) for d in range(depth) for r in range(width)])
 
     @property
@@ -263,9 +276,6 @@ class DynamicTree:
         return self if self.depth else dataclasses.replace(self, depth=depth)
 
 
-MAX_DEPTH = 1024  # deeper than any drafter drafts; a chain's paths grow as depth squared
-
-
 def tree_preset(name: str) -> TreeSpec | DynamicTree:
     """A preset, `chain-N` (1 <= N <= MAX_DEPTH), `comb-N-W` (TreeSpec.comb(N, W)) or `dynamic-N`
     (DynamicTree: N nodes with the root; `dynamic-N-D-W` sets its depth and guesses a node),
@@ -275,12 +285,6 @@ def tree_preset(name: str) -> TreeSpec | DynamicTree:
         return DynamicTree(int(m[1]), depth, width, name=name)
     if name in PRESETS:
         return dataclasses.replace(PRESETS[name], name=name)
-    deep = re.fullmatch(r"(?:chain|comb)-([1-9][0-9]*)(?:-[1-9][0-9]*)?", name)
-    if deep and int(deep[1]) > MAX_DEPTH:
-        raise JaxspecError(
-            f"tree {name} is {deep[1]} tokens deep; trees go at most {MAX_DEPTH} deep (no "
-            "drafter drafts further): pick a shallower one"
-        )
     if m := re.fullmatch(r"chain-([1-9][0-9]*)", name):
         return dataclasses.replace(TreeSpec.chain(int(m[1])), name=name)
     if m := re.fullmatch(r"comb-([1-9][0-9]*)-([1-9][0-9]*)", name):

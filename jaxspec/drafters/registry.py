@@ -17,40 +17,33 @@ from jaxspec.errors import JaxspecError
 SDSAT_LOOPS = ("two-forward", "one-forward")
 
 
-def _count(text: str, at_least: int) -> int | None:
-    return int(text) if text.isdigit() and int(text) >= at_least else None
-
-
-# option -> (how a bench row writes it, its parser from row text: value or None if invalid)
-ROW_VALUES = {
-    "tree": ("@TREE (a tree preset or one the drafter ships)", lambda t: t or None),
-    "firp_chains": ("/N (FIRP's pseudo chains on N nodes, N >= 0)", lambda t: _count(t, 0)),
-    "sdsat_loop": (
-        f"/LOOP (one of {', '.join(SDSAT_LOOPS)})",
-        lambda t: t if t in SDSAT_LOOPS else None,
-    ),  # noqa: E501
-    "ppd_layer": ("@LAYER (the early-prediction layer, a number)", lambda t: _count(t, 1)),
-    "retrieval": (
-        "+R (R >= 1 retrieved continuations joining a dynamic tree)",
-        lambda t: _count(t, 1),
-    ),  # fmt: skip
-}
-
-
 def _whole(at_least: int, at_most: int | None = None):
     return lambda v: (isinstance(v, numbers.Integral) and not isinstance(v, bool)
                       and at_least <= v <= (v if at_most is None else at_most))  # fmt: skip
 
 
 MAX_PPD_K = 16  # PPD runs k + 1 copies of the model, one a stage
-# option -> (what a value must be, its check), for the values `Generator` is given
-OPTION_VALUES = {
-    "firp_chains": ("a whole number >= 0", _whole(0)),
-    "sdsat_loop": (f"one of {', '.join(SDSAT_LOOPS)}", lambda v: v in SDSAT_LOOPS),
-    "ppd_layer": ("a whole number >= 1", _whole(1)),
-    "ppd_k": (f"a whole number from 1 to {MAX_PPD_K}", _whole(1, MAX_PPD_K)),
-    "retrieval": ("a whole number >= 1", _whole(1)),
-}
+LOOPS = ", ".join(SDSAT_LOOPS)
+# option -> (how a bench row writes it (None: no row syntax), what a value must be, its
+# check): one table for `Generator`'s keywords and the bench's row text
+OPTIONS = {
+    "tree": ("@TREE (a tree preset or one the drafter ships)", "a tree's name",
+             lambda v: isinstance(v, str) and bool(v)),
+    "firp_chains": ("/N (FIRP's pseudo chains on N nodes, N >= 0)", "a whole number >= 0",
+                    _whole(0)),
+    "sdsat_loop": (f"/LOOP (one of {LOOPS})", f"one of {LOOPS}", lambda v: v in SDSAT_LOOPS),
+    "ppd_layer": ("@LAYER (the early-prediction layer, a number)", "a whole number >= 1",
+                  _whole(1)),
+    "ppd_k": (None, f"a whole number from 1 to {MAX_PPD_K}", _whole(1, MAX_PPD_K)),
+    "retrieval": ("+R (R >= 1 retrieved continuations joining a dynamic tree)",
+                  "a whole number >= 1", _whole(1)),
+}  # fmt: skip
+
+
+def row_value(option: str, text: str):
+    """A bench row's text for `option` -> its value, or None when it is not one."""
+    value = int(text) if text.isdigit() else text
+    return value if OPTIONS[option][2](value) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +126,8 @@ def check_options(m: Method, tree=None, drafter=None, **options) -> None:
         flag = "--" + option.replace("_", "-")
         if value is not None and option not in m.options:
             raise JaxspecError(f"{flag} applies to --method {owners(option)} only")
-        if value is not None and not OPTION_VALUES[option][1](value):
-            raise JaxspecError(f"{flag} must be {OPTION_VALUES[option][0]}, got {value!r}")
+        if value is not None and not OPTIONS[option][2](value):
+            raise JaxspecError(f"{flag} must be {OPTIONS[option][1]}, got {value!r}")
 
 
 def row_source(row: str) -> str:
@@ -159,17 +152,17 @@ def parse_row(row: str) -> tuple[str, dict, str]:
     if slash and m.row_slash is None:
         takes = [(t.row_slash, t.name) for t in REGISTRY.values() if t.row_slash]
         raise JaxspecError(
-            f"{row}: " + "; ".join(f"{ROW_VALUES[o][0]} applies to {n} rows only" for o, n in takes)
+            f"{row}: " + "; ".join(f"{OPTIONS[o][0]} applies to {n} rows only" for o, n in takes)
         )
     if plus and "retrieval" not in m.options:
         raise JaxspecError(
-            f"{row}: {ROW_VALUES['retrieval'][0]} applies to {owners('retrieval')} rows"
+            f"{row}: {OPTIONS['retrieval'][0]} applies to {owners('retrieval')} rows"
         )
     targets = ((at, option, m.row_at), (slash, extra, m.row_slash), (plus, chains, "retrieval"))
     for given, text, target in targets:
         if given:
-            value = ROW_VALUES[target][1](text)
+            value = row_value(target, text)
             if value is None:
-                raise JaxspecError(f"{row}: {ROW_VALUES[target][0]} expected, got {text!r}")
+                raise JaxspecError(f"{row}: {OPTIONS[target][0]} expected, got {text!r}")
             options[target] = value
     return name, options, dtype
