@@ -148,12 +148,17 @@ class Generator:
 
 class Stream:
     """An iterator over text pieces while a background thread decodes; `result` is the
-    GenerationResult (None until the last piece)."""
+    GenerationResult (None until the last piece). Leaving early stops the decoding at its
+    next step: `close()`, the end of a `with` block, or dropping the stream (a `break` out
+    of `for piece in gen.stream(...)`)."""
 
     def __init__(self, owner: Generator, decoder, ids: list[int], max_new_tokens: int, seed: int):
-        self._owner, self._decoder, self._args = owner, decoder, (ids, max_new_tokens, seed)
-        self.result: GenerationResult | None = None
-        self._pieces = self._run()
+        self._finished = _Finished()
+        self._pieces = _stream_pieces(owner, decoder, (ids, max_new_tokens, seed), self._finished)
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._finished.result
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -161,25 +166,61 @@ class Stream:
     def __next__(self) -> str:
         return next(self._pieces)
 
-    def _run(self) -> Iterator[str]:
-        tokenizer = self._owner.model.tokenizer
-        text = TextStream(tokenizer) if tokenizer is not None else None
-        pieces: queue.Queue = queue.Queue()
+    def close(self) -> None:
+        """Stops the decoding (if it still runs) and waits for its thread to end."""
+        self._pieces.close()
 
-        def run():
-            try:
-                pieces.put(self._decoder.generate(*self._args, pieces.put))
-            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                pieces.put(e)
+    def __enter__(self) -> Stream:
+        return self
 
-        threading.Thread(target=run, daemon=True).start()
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class _Finished:
+    """Where a stream's pieces leave the whole result; the pieces hold it, not the Stream,
+    so that a dropped Stream is freed at once and its decoding stopped."""
+
+    result: GenerationResult | None = None
+
+
+class _Stopped(Exception):
+    """Raised inside the decoding thread when its stream was closed."""
+
+
+def _stream_pieces(owner: Generator, decoder, args: tuple, finished: _Finished) -> Iterator[str]:
+    tokenizer = owner.model.tokenizer
+    text = TextStream(tokenizer) if tokenizer is not None else None
+    pieces: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def on_tokens(ids: list[int]) -> None:  # called by the decoding loop after each step
+        if stop.is_set():
+            raise _Stopped
+        pieces.put(ids)
+
+    def run():
+        try:
+            pieces.put(decoder.generate(*args, on_tokens))
+        except _Stopped:
+            pass
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            pieces.put(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
         while isinstance(item := pieces.get(), list):  # token ids as they are accepted
             piece = text.push(item) if text is not None else ""
             if piece:
                 yield piece
-        if isinstance(item, BaseException):
-            raise item
-        self.result = dataclasses.replace(item, text=self._owner._decode_text(item.token_ids))
+    finally:  # the end, an error, or close(): the decoding stops before this returns
+        stop.set()
+        thread.join()
+    if isinstance(item, BaseException):
+        raise item
+    finished.result = dataclasses.replace(item, text=owner._decode_text(item.token_ids))
 
 
 def _is_batch(prompts) -> bool:

@@ -182,6 +182,47 @@ def test_stream_pieces_join_to_the_generated_text(method, generators, reference)
         list(gen.stream(PROMPT, seed=-1))
 
 
+def test_a_stream_left_early_stops_its_decoding(generators, monkeypatch):
+    """close(), a `with` block's end and a `break` that drops the stream each stop the
+    decoding thread within a few steps, not after max_new_tokens."""
+    import threading
+
+    gen, long = generators["ar"], 200
+    assert gen.generate(PROMPT, max_new_tokens=long).new_tokens == long  # no early EOS
+    decoder, made = gen._decoder(jaxspec.Sampling()), []
+    original = decoder.generate
+
+    def counting(ids, max_new_tokens, seed, on_tokens):
+        return original(ids, max_new_tokens, seed, lambda new: (made.append(new), on_tokens(new)))
+
+    monkeypatch.setattr(decoder, "generate", counting)
+
+    def leave(how):
+        made.clear()
+        before = set(threading.enumerate())
+        if how == "close":
+            stream = gen.stream(PROMPT, max_new_tokens=long)
+            next(stream)
+            stream.close()
+            assert stream.result is None
+        elif how == "with":
+            with gen.stream(PROMPT, max_new_tokens=long) as stream:
+                next(stream)
+        else:
+            for _ in gen.stream(PROMPT, max_new_tokens=long):
+                break
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=60)  # a decoding left running would end after all tokens
+        return sum(map(len, made))
+
+    for how in ("close", "with", "break"):
+        assert leave(how) < long // 4, how
+    whole = gen.stream(PROMPT, max_new_tokens=long)
+    assert "".join(whole) == gen.generate(PROMPT, max_new_tokens=long).text  # read to the end
+    assert whole.result.new_tokens == long
+    whole.close()  # after the end: nothing left to stop
+
+
 def test_sampling_is_per_call_and_seeded(generators, reference):
     gen = generators["medusa"]
     sample = dict(max_new_tokens=N, temperature=1.0, top_p=0.9)
