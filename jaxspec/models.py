@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.checkpoint import (
     CONFIG_FILE,
@@ -74,9 +75,12 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
     elif is_checkpoint(path):
         cfg, params = load_checkpoint(path)
         tokenizer = load_tokenizer(path)
-    else:  # an HF folder or GGUF file: read whole, then placed
+    else:  # an HF folder or GGUF file: read whole into host memory, then placed
         cfg, params, tokenizer = load_any(path)
-        params = jax.tree.map(lambda a: jnp.asarray(a, default_dtype()), params)
-        params = params if mesh is None else shard_params(params, cfg, mesh)
+        if mesh is None:
+            params = jax.tree.map(lambda a: jnp.asarray(a, default_dtype()), params)
+        else:  # host arrays straight to their shards: never the whole model on one device
+            params = jax.tree.map(lambda a: np.asarray(a, default_dtype()), params)
+            params = shard_params(params, cfg, mesh)
     # placed as stored, then cast: each device casts its own shards
     return LoadedModel(path, cfg, compute_params(params, dtype), tokenizer, mesh)

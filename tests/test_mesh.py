@@ -379,6 +379,38 @@ def test_sharded_loading_reads_only_each_devices_slices(tmp_path, monkeypatch):
     assert sum(n for *_, n in reads) == sum(w.nbytes for w in whole.values())
 
 
+def test_an_hf_folder_goes_to_its_shards_from_host_memory(tmp_path, monkeypatch):
+    """load_model(HF folder, mesh=1x2): the weights a whole load gives, each placed on the
+    mesh from a host array (a device array would have held the whole tensor on one device:
+    a model larger than a device could not load)."""
+    import torch
+    import transformers
+
+    from jaxspec import mesh as mesh_module
+    from jaxspec.checkpoint import flatten_params
+    from jaxspec.models import load_model
+    from tests.conftest import tiny_hf_config
+
+    config = tiny_hf_config()
+    config.vocab_size, config.intermediate_size = 96, 88  # model=2 divides them
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    whole = flatten_params(load_model(tmp_path).params)
+    placed, real_place = [], mesh_module.place
+
+    def place(tree, specs, mesh):
+        placed.extend(type(x) for x in jax.tree.leaves(tree))
+        return real_place(tree, specs, mesh)
+
+    monkeypatch.setattr(mesh_module, "place", place)
+    split = flatten_params(load_model(tmp_path, mesh=make_mesh({"data": 1, "model": 2})).params)
+    assert len(placed) == len(whole) and set(placed) == {np.ndarray}
+    for name, w in whole.items():
+        np.testing.assert_array_equal(np.asarray(split[name]), np.asarray(w))
+    q = split["layers.0.q_proj"]
+    assert q.addressable_shards[0].data.size * 2 == q.size  # split over the model axis
+
+
 TRAINERS = {  # method: (its flags for a seconds-long run, --batch, the loss its report shows)
     "medusa": (["--heads", "2", "--steps", "6"], 16, "final_loss_per_head"),
     "chimera": (["--rows", "8", "--heads", "2", "--steps", "3"], 2, "final_loss_per_head"),
