@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from safetensors import SafetensorError, safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file
 
 from jaxspec.config import LlamaConfig
 from jaxspec.errors import JaxspecError
@@ -70,7 +70,8 @@ def unflatten_params(flat: dict[str, jax.Array], n_layers: int) -> dict:
 def save_checkpoint(out: Path, cfg: LlamaConfig, params: dict, tokenizer=None) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    flat = {k: jnp.asarray(v) for k, v in flatten_params(params).items()}
+    # on the host; contiguous, as safetensors' numpy writer stores a transposed view's buffer
+    flat = {k: np.ascontiguousarray(v) for k, v in flatten_params(params).items()}
     tmp = out / (WEIGHTS_FILE + ".partial")
     save_file(flat, str(tmp), metadata={"format": "jaxspec"})
     tmp.replace(out / WEIGHTS_FILE)  # a crash mid-write never leaves a half checkpoint
@@ -83,8 +84,9 @@ def is_checkpoint(path: Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file() and (Path(path) / WEIGHTS_FILE).is_file()
 
 
-def load_params(path: Path, cfg: LlamaConfig, dtype=None) -> dict:
-    dtype = dtype or default_dtype()
+def load_params(path: Path, cfg: LlamaConfig, dtype=None, on_host: bool = False) -> dict:
+    """The checkpoint's params on the default device in `dtype` (None: default_dtype()),
+    or with on_host as the host arrays stored (no device, no cast: for converting)."""
     file = Path(path) / WEIGHTS_FILE
     try:
         with safe_open(str(file), framework="numpy") as f:
@@ -99,7 +101,9 @@ def load_params(path: Path, cfg: LlamaConfig, dtype=None) -> dict:
             f"{file} holds layers {_ranges(stored)} but {Path(path) / CONFIG_FILE} says "
             f"n_layers={cfg.n_layers}; fix n_layers or convert the model again"
         )
-    params = unflatten_params({k: jnp.asarray(v, dtype) for k, v in flat.items()}, cfg.n_layers)
+    if not on_host:
+        flat = {k: jnp.asarray(v, dtype or default_dtype()) for k, v in flat.items()}
+    params = unflatten_params(flat, cfg.n_layers)
     check_params(params, cfg)
     return params
 
@@ -154,7 +158,7 @@ def _ranges(indices: set[int]) -> str:
     )
 
 
-def load_checkpoint(path: Path, dtype=None) -> tuple[LlamaConfig, dict]:
+def load_checkpoint(path: Path, dtype=None, on_host: bool = False) -> tuple[LlamaConfig, dict]:
     path = Path(path)
     if not is_checkpoint(path):
         raise JaxspecError(
@@ -162,7 +166,7 @@ def load_checkpoint(path: Path, dtype=None) -> tuple[LlamaConfig, dict]:
             "create one with `jaxspec-convert SRC --out DIR`"
         )
     cfg = LlamaConfig.load(path / CONFIG_FILE)
-    return cfg, load_params(path, cfg, dtype)
+    return cfg, load_params(path, cfg, dtype, on_host)
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -36,6 +36,27 @@ def test_round_trip_hf_jaxspec_hf(tmp_path, tie):
     assert (tmp_path / "back" / "tokenizer.json").is_file()
 
 
+def test_conversions_never_put_a_weight_on_a_device(tmp_path):
+    """HF (bfloat16) -> jaxspec -> HF and GGUF -> jaxspec run on the host alone (a device
+    would have to hold every tensor of a 70B model at once), and keep the stored dtype."""
+    import jax
+    from transformers import LlamaForCausalLM
+
+    hf_dir, model = save_tiny(tmp_path)
+    model.to(torch.bfloat16).save_pretrained(hf_dir, safe_serialization=True)
+    write_tiny_gguf(tmp_path / "tiny.gguf", model.float())
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
+        convert(hf_dir, tmp_path / "ours")
+        convert(tmp_path / "ours", tmp_path / "back", to="hf")
+        convert(tmp_path / "tiny.gguf", tmp_path / "from-gguf")
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.bfloat16)
+    original = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    for name, tensor in original.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["vocab_size"] == 101
+    assert (tmp_path / "from-gguf" / WEIGHTS_FILE).is_file()
+
+
 def test_unpermute_inverts_llama_cpp_order():
     # llama.cpp's q/k layout, per head: (2, pair) -> (pair, 2).
     w = np.arange(2 * 8 * 3).reshape(16, 3)

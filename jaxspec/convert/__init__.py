@@ -13,7 +13,8 @@ from jaxspec.outputs import check_output_dir
 
 
 def load_any(src: Path):
-    """(config, params, tokenizer | None) from a .gguf, an HF folder or a jaxspec checkpoint."""
+    """(config, params as host arrays, tokenizer | None) from a .gguf, an HF folder or a
+    jaxspec checkpoint."""
     src = Path(src)
     if not src.exists():
         raise JaxspecError(f"no such file or folder: {src}")
@@ -22,7 +23,7 @@ def load_any(src: Path):
             raise JaxspecError(f"{src} is not a .gguf file; pass a .gguf or an HF model folder")
         return load_gguf(src)
     if is_checkpoint(src):
-        cfg, params = load_checkpoint(src)
+        cfg, params = load_checkpoint(src, on_host=True)
         return cfg, params, load_tokenizer(src)
     return load_hf_folder(src)
 

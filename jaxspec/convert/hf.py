@@ -65,9 +65,9 @@ def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
     tensors = {}
     for file in files:
         try:
-            with safe_open(str(file), framework="flax") as f:
+            with safe_open(str(file), framework="numpy") as f:  # host arrays, no device
                 for key in f.keys():  # noqa: SIM118 (not a dict)
-                    tensors[key] = np.asarray(f.get_tensor(key))
+                    tensors[key] = f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise JaxspecError(f"corrupt safetensors file {file}: {e}; download it again") from None
     return tensors
