@@ -270,3 +270,72 @@ def test_the_default_model_into_a_users_folder_needs_overwrite(tmp_path, capsys,
     err = one_line_error(convert_main, ["--out", str(out), *flags], capsys)
     assert "is not empty" in err and "--overwrite" in err
     assert (out / "tokenizer.json").read_text() == "mine"
+
+
+# ---- HF config.json in both transformers layouts, and HF export's config ----------------
+
+
+def test_transformers_4_config_layout_reads_as_5s():
+    """config.json as transformers 4.x writes it (the Hub's Llama 3.x configs): rope_theta
+    at the top level and the scaling in rope_scaling (with "type" in older files) gives
+    the config transformers 5's rope_parameters give."""
+    from jaxspec.config import LlamaConfig, RopeScaling
+    from tests.conftest import tiny_hf_config
+    from tests.test_parity_hf import ROPES
+
+    rope = ROPES["llama3"]
+    new = tiny_hf_config(rope=rope).to_dict()
+    want = LlamaConfig.from_hf_config(new)
+    assert (want.rope_scaling.kind, want.rope_theta) == ("llama3", 500.0)
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old["rope_theta"] = rope["rope_theta"]
+    old["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    assert LlamaConfig.from_hf_config(old) == want
+    old["rope_scaling"] = {"type": "linear", "factor": 2.5}
+    assert LlamaConfig.from_hf_config(old).rope_scaling == RopeScaling("linear", factor=2.5)
+
+
+@pytest.mark.parametrize("family", ["llama3.2", "mistral", "qwen2", "qwen3"])
+def test_hf_export_config_reads_back_the_same(family):
+    """cfg.to_hf_dict() read by from_hf_config gives cfg back: every field HF export writes
+    (RoPE scaling of each kind, one or several eos ids, bos, eps, window, head_dim)."""
+    import dataclasses
+
+    from jaxspec.config import LlamaConfig, RopeScaling
+    from tests.conftest import tiny_family_config
+
+    cfg = LlamaConfig.from_hf_config(tiny_family_config(family))
+    linear = RopeScaling("linear", factor=2.5)
+    variants = [cfg, dataclasses.replace(cfg, rope_scaling=linear, norm_eps=1e-3, bos_token_id=7,
+                                         eos_token_ids=(2, 5, 9), max_position=300)]  # fmt: skip
+    for c in variants:
+        assert LlamaConfig.from_hf_config(c.to_hf_dict()) == dataclasses.replace(c, name=c.family)
+
+
+def test_tied_folder_that_also_stores_lm_head(tmp_path):
+    """Some tied checkpoints store lm_head.weight too (a copy of the embeddings): it is
+    ignored, not an error, and the tied embeddings project the logits."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.test_parity_hf import jax_logits
+
+    hf_dir, model = save_tiny(tmp_path, tie=True, tokenizer=False)
+    tensors = load_file(hf_dir / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    convert(hf_dir, tmp_path / "ours")
+    assert load_checkpoint(tmp_path / "ours")[0].tie_embeddings
+    tokens = np.arange(5, 30)[None]
+    np.testing.assert_allclose(
+        jax_logits(tmp_path / "ours", tokens)[0], hf_logits(model, tokens), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_generation_config_with_one_eos_id(tmp_path):
+    """generation_config.json's eos_token_id as a single id (not a list) is a stop token too."""
+    from jaxspec.convert.hf import read_hf_config
+
+    hf_dir, _ = save_tiny(tmp_path, tokenizer=False)
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert read_hf_config(hf_dir).eos_token_ids == (2, 7)

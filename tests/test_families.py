@@ -120,6 +120,65 @@ def test_window_holds_across_prefill_chunks(models):
     assert chunked == one_shot == hf_greedy(model, prompt)
 
 
+def test_window_over_a_context_block_is_by_position():
+    """run_layers' context_block (T' uncommitted tokens right after each row's committed
+    ones, as FIRP's and SDSAT's drafts read a prompt's forward) under a sliding window: the
+    block's keys sit at positions length + t, so the hidden states are those of committing
+    the block first. Rows of 6 and 9 committed tokens; the window (4) hides the oldest."""
+    from jaxspec.config import preset
+    from jaxspec.llama import embed, init_params, run_layers
+
+    cfg = dataclasses.replace(preset("tiny-gqa"), family="mistral", sliding_window=4)
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    rng = np.random.default_rng(0)
+    B, S, P, T = 2, 32, 5, 3
+    lengths = jnp.array([6, 9], jnp.int32)
+    prompt, context, chain = (jnp.asarray(rng.integers(3, 97, (B, n))) for n in (9, P, T))
+
+    def positions(start, n):
+        return start[:, None] + jnp.arange(n)
+
+    def run(tokens, pos, cache, **kw):
+        h = embed(params, tokens)
+        return run_layers(params, cfg, h, pos, cache, causal_mask(B, pos.shape[1]), **kw)
+
+    zero = jnp.zeros((B,), jnp.int32)
+    cache = commit(init_cache(cfg, B, S), run(prompt, positions(zero, 9), None)[1], lengths)
+    _, block, _ = run(context, positions(lengths, P), cache)
+    committed = jnp.arange(S) < lengths[:, None, None]  # [B,1,S]
+    sees = jnp.concatenate(
+        [jnp.broadcast_to(committed, (B, T, S)), jnp.ones((B, T, P), bool)], axis=-1
+    )
+    at = positions(lengths + P, T)
+    got, _, _ = run(chain, at, cache, context_mask=sees, context_block=block)
+    want, _, _ = run(chain, at, commit(cache, block, jnp.full((B,), P, jnp.int32)))
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=1e-4)  # hidden states ~50
+
+
+def test_every_norm_reads_the_configs_epsilon(tmp_path):
+    """Qwen3 (input, post-attention, final and per-head q/k norms) with rms_norm_eps 0.1,
+    large enough to move the logits (1e-5 hardly does): a norm that used another epsilon
+    would show."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import tiny_family_config
+
+    config = tiny_family_config("qwen3")
+    config.rms_norm_eps = 0.1
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.15 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ours")
+    cfg, params = load_checkpoint(tmp_path / "ours", jnp.float32)
+    assert cfg.norm_eps == 0.1
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 20))
+    ours = cached_logits(cfg, params, tokens, prefill=12)
+    np.testing.assert_allclose(ours, hf_logits(model, tokens), atol=1e-4, rtol=1e-4)
+
+
 def hf_greedy(model, prompt_ids: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=N, do_sample=False,

@@ -129,12 +129,21 @@ def _attention_inputs(S: int, T: int, lengths, seed=0):
     return args, lengths, positions, causal_mask(B, T)
 
 
-@pytest.mark.parametrize("window", [0, 20])
-def test_prefix_attention_equals_the_masked_softmax(window):
+@pytest.mark.parametrize(
+    "window, lengths",
+    [
+        (0, [7, 53]),
+        (20, [7, 53]),
+        (3, [7, 53]),  # shorter than the chunk (5): the chunk's own oldest keys leave it
+        (12, [42, 50]),  # query 42 sees key 31 (> 42 - 12): the last slot of block 1
+    ],
+)
+def test_prefix_attention_equals_the_masked_softmax(window, lengths):
     """Blocks of 16 over a 60-slot cache (the last block overlaps the one before it), rows
-    of 7 and 53 committed slots, with and without a sliding window: the masked one-softmax
+    of committed slots as given, with and without a sliding window (also one shorter than
+    the chunk, and one whose first visible key ends a block): the masked one-softmax
     attention's output to float32 rounding."""
-    args, lengths, positions, causal = _attention_inputs(60, 5, [7, 53])
+    args, lengths, positions, causal = _attention_inputs(60, 5, lengths)
     mask = attention_mask(lengths, causal, 60)
     if window:
         key_positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(60), (2, 60)), positions], 1)
