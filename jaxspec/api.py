@@ -11,6 +11,7 @@ settings are per call; each distinct setting compiles its programs once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -148,17 +149,18 @@ class Generator:
 
 class Stream:
     """An iterator over text pieces while a background thread decodes; `result` is the
-    GenerationResult (None until the last piece). Leaving early stops the decoding at its
-    next step: `close()`, the end of a `with` block, or dropping the stream (a `break` out
-    of `for piece in gen.stream(...)`)."""
+    GenerationResult (None until the last piece, and after a stop). Leaving early stops
+    the decoding at its next step: `close()` (from any thread: one iterating the stream
+    then gets no more pieces), the end of a `with` block, or dropping the stream (a
+    `break` out of `for piece in gen.stream(...)`)."""
 
     def __init__(self, owner: Generator, decoder, ids: list[int], max_new_tokens: int, seed: int):
-        self._finished = _Finished()
-        self._pieces = _stream_pieces(owner, decoder, (ids, max_new_tokens, seed), self._finished)
+        self._shared = _Shared()
+        self._pieces = _stream_pieces(owner, decoder, (ids, max_new_tokens, seed), self._shared)
 
     @property
     def result(self) -> GenerationResult | None:
-        return self._finished.result
+        return self._shared.result
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -167,8 +169,11 @@ class Stream:
         return next(self._pieces)
 
     def close(self) -> None:
-        """Stops the decoding (if it still runs) and waits for its thread to end."""
-        self._pieces.close()
+        """Stops the decoding (if it still runs); from the thread that iterates the stream
+        (or none), also waits for the decoding thread to end."""
+        self._shared.stop.set()
+        with contextlib.suppress(ValueError):  # another thread is inside next(): it ends
+            self._pieces.close()  # after the decoding's next step
 
     def __enter__(self) -> Stream:
         return self
@@ -178,25 +183,25 @@ class Stream:
 
 
 @dataclasses.dataclass
-class _Finished:
-    """Where a stream's pieces leave the whole result; the pieces hold it, not the Stream,
-    so that a dropped Stream is freed at once and its decoding stopped."""
+class _Shared:
+    """What a Stream and its pieces share. The pieces hold it, not the Stream, so that a
+    dropped Stream is freed at once and its decoding stopped."""
 
     result: GenerationResult | None = None
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class _Stopped(Exception):
     """Raised inside the decoding thread when its stream was closed."""
 
 
-def _stream_pieces(owner: Generator, decoder, args: tuple, finished: _Finished) -> Iterator[str]:
+def _stream_pieces(owner: Generator, decoder, args: tuple, shared: _Shared) -> Iterator[str]:
     tokenizer = owner.model.tokenizer
     text = TextStream(tokenizer) if tokenizer is not None else None
-    pieces: queue.Queue = queue.Queue()
-    stop = threading.Event()
+    pieces: queue.Queue = queue.Queue()  # token id lists, then a result, an error or None
 
     def on_tokens(ids: list[int]) -> None:  # called by the decoding loop after each step
-        if stop.is_set():
+        if shared.stop.is_set():
             raise _Stopped
         pieces.put(ids)
 
@@ -204,7 +209,7 @@ def _stream_pieces(owner: Generator, decoder, args: tuple, finished: _Finished) 
         try:
             pieces.put(decoder.generate(*args, on_tokens))
         except _Stopped:
-            pass
+            pieces.put(None)
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             pieces.put(e)
 
@@ -216,11 +221,12 @@ def _stream_pieces(owner: Generator, decoder, args: tuple, finished: _Finished) 
             if piece:
                 yield piece
     finally:  # the end, an error, or close(): the decoding stops before this returns
-        stop.set()
+        shared.stop.set()
         thread.join()
     if isinstance(item, BaseException):
         raise item
-    finished.result = dataclasses.replace(item, text=owner._decode_text(item.token_ids))
+    if item is not None:
+        shared.result = dataclasses.replace(item, text=owner._decode_text(item.token_ids))
 
 
 def _is_batch(prompts) -> bool:

@@ -183,8 +183,8 @@ def test_stream_pieces_join_to_the_generated_text(method, generators, reference)
 
 
 def test_a_stream_left_early_stops_its_decoding(generators, monkeypatch):
-    """close(), a `with` block's end and a `break` that drops the stream each stop the
-    decoding thread within a few steps, not after max_new_tokens."""
+    """close() (from this thread or another), a `with` block's end and a `break` that drops
+    the stream each stop the decoding thread within a few steps, not after max_new_tokens."""
     import threading
 
     gen, long = generators["ar"], 200
@@ -208,14 +208,23 @@ def test_a_stream_left_early_stops_its_decoding(generators, monkeypatch):
         elif how == "with":
             with gen.stream(PROMPT, max_new_tokens=long) as stream:
                 next(stream)
-        else:
+        elif how == "break":
             for _ in gen.stream(PROMPT, max_new_tokens=long):
                 break
+        else:  # closed by another thread while this one waits in next()
+            stream, read = gen.stream(PROMPT, max_new_tokens=long), []
+            reader = threading.Thread(target=lambda: read.extend(stream))
+            reader.start()
+            while not made:
+                reader.join(timeout=0.01)
+            stream.close()
+            reader.join(timeout=60)
+            assert not reader.is_alive() and stream.result is None
         for thread in set(threading.enumerate()) - before:
             thread.join(timeout=60)  # a decoding left running would end after all tokens
         return sum(map(len, made))
 
-    for how in ("close", "with", "break"):
+    for how in ("close", "with", "break", "another thread"):
         assert leave(how) < long // 4, how
     whole = gen.stream(PROMPT, max_new_tokens=long)
     assert "".join(whole) == gen.generate(PROMPT, max_new_tokens=long).text  # read to the end
