@@ -170,6 +170,23 @@ def test_tree_topology_of_a_draft_is_the_drafts():
         np.testing.assert_array_equal(topo.mask[0, n], expected)
 
 
+def test_tree_topology_of_a_batch_is_each_rows_own():
+    """Rows of a batch choose different trees: each row's topology is the one it gets
+    alone (no row reads another's parents or depths)."""
+    tree = DynamicTree(5, 3, 2)
+    sure = jnp.zeros((3, 7)).at[:, 1].set(8.0)  # row 0: one sure guess a depth (a chain)
+    draft = select_nodes(jnp.stack([sure, jnp.zeros((3, 7))]), tree)  # row 1: flat (a bush)
+    np.testing.assert_array_equal(draft.depth, [[1, 2, 3, 1], [1, 1, 2, 2]])
+    current = jnp.array([5, 6])
+    tokens, topo = tree_topology(current, draft, tree)
+    for b in range(2):
+        row = jax.tree.map(lambda x, b=b: x[b : b + 1], draft)
+        own_tokens, own = tree_topology(current[b : b + 1], row, tree)
+        np.testing.assert_array_equal(tokens[b], own_tokens[0])
+        for got, want in zip(jax.tree.leaves(topo), jax.tree.leaves(own), strict=True):
+            np.testing.assert_array_equal(got[b], want[0])
+
+
 def chosen_paths(draft, b: int) -> list[tuple[int, ...]]:
     """Each chosen node's token path from the root (row b)."""
     parent, tokens = np.asarray(draft.parent[b]), np.asarray(draft.tokens[b])

@@ -171,6 +171,23 @@ def test_nucleus_among_top_candidates_or_whole_vocabulary_matches_hf(monkeypatch
     assert kept[0] == 1 and kept[1] == 5 and kept[2] > 8, kept
 
 
+@pytest.mark.parametrize("path", ["_candidate_nucleus", "_sorted_nucleus"])
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_top_p_stops_at_the_token_whose_mass_before_it_reaches_p(monkeypatch, path, top_k):
+    """Four equal tokens (0.25 each, exact in float32), top_p 0.5: the mass before the
+    third is exactly 0.5, so it is left out (as HF's TopPLogitsWarper does): two stay, the
+    lower ids first among equals."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    monkeypatch.setattr(sampling, "_keep_nucleus", getattr(sampling, path))
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", (2, 3))
+    logits = jnp.zeros((1, 4))
+    probs = np.exp(np.asarray(warped_logprobs(logits, Sampling(1.0, top_k, 0.5))))[0]
+    np.testing.assert_allclose(probs, [0.5, 0.5, 0, 0], atol=1e-6)
+    hf = TopPLogitsWarper(0.5)(None, torch.zeros((1, 4)))
+    assert int(torch.isfinite(hf).sum()) == 2
+
+
 def test_top_k_keeps_exactly_k_tokens_lower_ids_first_among_equals():
     logits = jnp.array([[1.0, 2.0, 2.0, 2.0, 0.0]])
     for top_p in (1.0, 0.99):

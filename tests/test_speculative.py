@@ -17,11 +17,14 @@ from jaxspec.decode import (
     speculative_step,
     step_bytes,
 )
+from jaxspec.drafters.base import Drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask, commit, init_cache
-from jaxspec.llama import compute_params, forward, init_params
+from jaxspec.llama import compute_params, forward, init_params, lm_logits
 from jaxspec.sampling import Sampling, warped_logprobs
+from jaxspec.topology import static_topology
 from jaxspec.tree import DynamicTree, TreeSpec, expected_tokens_per_step, search_tree, tree_preset
+from jaxspec.verify import accept_greedy, accept_sampling
 from tests.drafters import OracleDrafter, RandomDrafter
 from tests.test_generate import n_programs
 
@@ -255,7 +258,12 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
     )
     cache = commit(cache, block, lengths)
     current = place("rows", jnp.full((N,), root, jnp.int32))
-    candidates = jax.random.randint(jax.random.key(1), (N, tree.n_nodes - 1), 0, cfg.vocab_size)
+    # first-step drafts from a proposal sharper than the model's first token (fixed before
+    # the step's randomness): with uniform ones even acceptance that forgets rejected
+    # tokens would give p exactly
+    expected = exact_two_token_distribution(cfg, params, prompt + [root], sampling)  # [V,V]
+    sharp = 2 * jnp.log(jnp.asarray(expected.sum(1), jnp.float32) + 1e-6)
+    candidates = jax.random.categorical(jax.random.key(1), sharp, shape=(N, tree.n_nodes - 1))
     if isinstance(tree, DynamicTree):  # its topology too is the drafter's: take its draft
         candidates = drafted
     candidates = place("rows", candidates)
@@ -275,7 +283,7 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
     x2 = np.where(n >= 2, emitted[:, 1], emitted2[:, 0])
     assert (n >= 2).mean() > 0.1  # drafts were accepted often enough to matter
 
-    expected = exact_two_token_distribution(cfg, params, prompt + [root], sampling) * N
+    expected = expected * N
     observed = np.zeros_like(expected)
     np.add.at(observed, (x1, x2), 1)
     assert observed[expected == 0].sum() == 0  # nothing outside top-k / top-p support
@@ -286,6 +294,137 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
         obs, exp = obs[:-1], exp[:-1]
     exp = exp * obs.sum() / exp.sum()  # float32 probabilities sum to 1 within ~1e-7
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def exact_three_token_distribution(cfg, params, context, sampling):
+    """p(x1, x2, x3 | context) [V,V,V] from the model's warped distributions."""
+    V = cfg.vocab_size
+    seqs = jnp.asarray([context + [a, b] for a in range(V) for b in range(V)], jnp.int32)
+    N, T = seqs.shape
+    logits, _, _ = forward(
+        params, cfg, seqs, jnp.broadcast_to(jnp.arange(T), seqs.shape),
+        init_cache(cfg, N, T), causal_mask(N, T),
+    )  # fmt: skip
+    p = np.exp(np.asarray(warped_logprobs(logits, sampling), np.float64)).reshape(V, V, T, V)
+    return p[0, 0, -3][:, None, None] * p[:, 0, -2][:, :, None] * p[:, :, -1]
+
+
+@pytest.mark.parametrize("tree_name", [None, "chain-1"])
+def test_generated_tokens_follow_the_models_joint_distribution_across_steps(tree_name):
+    """Many rows of one prompt through generate_batch (one seed: every step gets the same
+    key, so its randomness must come from the positions): the second and third tokens (for
+    AR, two successive steps') jointly follow the model's distribution."""
+    from scipy.stats import chisquare
+
+    cfg, params = tiny("tiny-mqa", vocab=6)
+    sampling, prompt, N = Sampling(1.0), [1, 4, 2, 5], 3000
+    tree = tree_preset(tree_name) if tree_name else None
+    drafter = RandomDrafter(cfg.vocab_size) if tree else None
+    gen = SpeculativeGenerator(cfg, params, drafter, None, tree, sampling)
+    out = np.array([r.token_ids for r in gen.generate_batch([prompt] * N, 3, seed=5)])
+    expected = exact_three_token_distribution(cfg, params, prompt, sampling)
+    expected = expected.sum(0) * N  # p(x2, x3): 36 cells
+    observed = np.zeros_like(expected)
+    np.add.at(observed, (out[:, 1], out[:, 2]), 1)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    exp = exp * obs.sum() / exp.sum()
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_a_drafted_token_outside_the_support_is_never_accepted(monkeypatch):
+    """Every uniform draw 0 (the smallest jax.random.uniform gives): a drafted token of
+    probability 0 under the warped distribution (outside top-k) is still rejected, and the
+    bonus token is drawn from the support; a token of positive probability is accepted."""
+    real_uniform = jax.random.uniform
+    monkeypatch.setattr(jax.random, "uniform", lambda key, shape, *a, **k: jnp.zeros(shape))
+    tree = TreeSpec.from_paths([(0,), (1,)])  # two children of the root
+    topo = static_topology(tree, 2)
+    logits = jnp.array([0.0, 3.0, 2.0, 1.0, -1.0, -2.0])[None, None].repeat(3, 1).repeat(2, 0)
+    s = Sampling(1.0, top_k=2)  # support {1, 2}
+    # row 0: both drafts outside the support (rejected); row 1: the first outside, the
+    # second in it (accepted)
+    tokens = jnp.array([[0, 4, 5], [0, 5, 2]])
+    keys = jax.random.split(jax.random.key(0), 2)
+    nodes, n, bonus = accept_sampling(topo, tokens, logits, keys, s)
+    monkeypatch.setattr(jax.random, "uniform", real_uniform)
+    np.testing.assert_array_equal(n, [0, 1])
+    np.testing.assert_array_equal(nodes[:, 1], [0, 2])
+    assert int(bonus[0]) in (1, 2)
+
+
+def test_accept_greedy_literal():
+    """paths (0,) (1,) (0,0): nodes 1, 2 under the root, 3 under 1. The model's argmax is
+    2 at the root, 4 at node 1, 0 at node 2 and 1 at node 3."""
+    tree = TreeSpec.from_paths([(0,), (1,), (0, 0)])
+    topo = static_topology(tree, 3)
+    argmax = jnp.array([2, 4, 0, 1])
+    logits = jax.nn.one_hot(argmax, 6)[None].repeat(3, 0)  # [B,T,V]
+    # row 0: nodes 1 then 3 right: 2 accepted, bonus 1 (node 3's); row 1: 1 right, 3 wrong:
+    # 1 accepted, bonus 4 (node 1's); row 2: node 2 right, a leaf: 1 accepted, bonus 0 (node
+    # 2's), though the root's token 0 is node 2's argmax (what a -1 pad's slot would read)
+    tokens = jnp.array([[9, 2, 7, 4], [9, 2, 7, 5], [0, 3, 2, 4]])
+    nodes, n, bonus = accept_greedy(topo, tokens, logits)
+    np.testing.assert_array_equal(n, [2, 1, 1])
+    np.testing.assert_array_equal(bonus, [1, 4, 0])
+    np.testing.assert_array_equal(nodes, [[0, 1, 3], [0, 1, 0], [0, 2, 0]])  # 0 past the end
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeDrafter(Drafter):
+    """Records what a step hands the drafter: its state counts the entered tokens and keeps
+    the position it was given; it proposes the model's own argmax at the hidden state it
+    was given (the node whose prediction is `current`, so in greedy: `current` itself)."""
+
+    cfg: LlamaConfig
+
+    def init_state(self, cfg, batch, max_len, dtype, drafter_params=None):
+        return jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+
+    def advance(self, params, drafter_params, inputs):
+        entered, _ = inputs.state
+        return entered + inputs.entered.count, inputs.position
+
+    def propose(self, params, drafter_params, tree, inputs, key):
+        h = inputs.hidden[self.cfg.n_layers][:, None]
+        guess = jnp.argmax(lm_logits(params, self.cfg, h)[:, 0], -1).astype(jnp.int32)
+        return jnp.broadcast_to(guess[:, None], (guess.shape[0], tree.n_nodes - 1))
+
+
+def test_a_step_hands_the_drafter_the_last_accepted_nodes_state():
+    """After a greedy step the drafter sees the state of the last accepted node (the one
+    that predicted the bonus token), the bonus token's position, and every committed token
+    counted once, for a row accepting all of a chain, one accepting part and one none."""
+    cfg, params = tiny()
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 8).token_ids
+    tree, drafter = tree_preset("chain-4"), ProbeDrafter(cfg)
+    static = dict(cfg=cfg, sampling=Sampling(), tree=tree, drafter=drafter)
+    B, P = 3, len(prompt)
+    tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (B, P))
+    lengths = jnp.full((B,), P, jnp.int32)
+    state = drafter.init_state(cfg, B, 32, jnp.float32)
+    current, candidates, block, state = prefill_and_draft(
+        params, None, tokens, lengths, jax.random.key(0), state, **static
+    )
+    cache = commit(init_cache(cfg, B, 32), block, lengths)
+    np.testing.assert_array_equal(current, [ar[0]] * B)
+    np.testing.assert_array_equal(candidates[:, 0], current)  # the prompt's last state
+    np.testing.assert_array_equal(state[0], cache.lengths)
+    np.testing.assert_array_equal(state[1], cache.lengths)
+    right = jnp.asarray(ar[1:5], jnp.int32)
+    wrong = (right + 1) % cfg.vocab_size
+    candidates = jnp.stack([right, right.at[2].set(wrong[2]), wrong])  # 4, 2, 0 accepted
+    emitted, n, current, candidates, block, state = speculative_step(
+        params, None, cache, current, candidates, jax.random.key(1), state, **static
+    )
+    np.testing.assert_array_equal(n, [5, 3, 1])
+    cache = commit(cache, block, n)
+    np.testing.assert_array_equal(current, [ar[5], ar[3], ar[1]])
+    np.testing.assert_array_equal(candidates[:, 0], current)  # the last accepted node's state
+    np.testing.assert_array_equal(state[0], cache.lengths)  # each committed token once
+    np.testing.assert_array_equal(state[1], cache.lengths)  # current's position
 
 
 def test_typical_acceptance_accepts_likely_drafts_and_needs_sampling():
