@@ -314,7 +314,6 @@ class Firp(Trainer):
         """--steps updates per FIRP step, one stage after the other -> (state, the final
         loss per FIRP step trained in this invocation)."""
         args, K, layers = self.args, self.drafter.n_steps, self.layers
-        rng = np.random.default_rng([args.seed, int(state["step"])])
         losses = {}
         done = int(state["stage"]) * args.steps + int(state["stage_step"])
         bar = tqdm(total=K * args.steps, initial=min(done, K * args.steps), desc="train firp")
@@ -334,8 +333,9 @@ class Firp(Trainer):
                 }
                 continue
             step = int(state["step"])
-            pick = np.random.default_rng([args.seed, step]).choice
-            rows = np.sort(pick(self.usable, min(args.batch, len(self.usable)), replace=False))
+            rng = np.random.default_rng([args.seed, step])  # the step's own: resumes alike
+            batch = min(args.batch, len(self.usable))
+            rows = np.sort(rng.choice(self.usable, batch, replace=False))
             anchors = sample_anchors(rng, self.low[rows], self.high[rows], args.anchors)
             state, loss = train_step(
                 state, state["maps"][:stage], self.model.params,
