@@ -423,3 +423,19 @@ def test_a_card_names_the_draft_vocabulary_built_not_only_the_one_asked_for():
     assert most_frequent(17, 999999999, "--guess-vocab") == (
         "all 17 tokens of the training answers (fewer than --guess-vocab 999999999)"
     )
+
+
+def test_head_d_guesses_with_the_d_th_heads_weights():
+    """head_logits(..., d) (1-based) is head d's Linear on [norm(h) ; norm(ĥ)], projected:
+    by hand with params["heads"][d - 1]; each head its own."""
+    from jaxspec.llama import final_norm, vocab_projection
+
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=3)
+    h, enc = jax.random.normal(jax.random.key(6), (2, 2, cfg.dim))
+    x = jnp.concatenate([final_norm(params, cfg, h), final_norm(params, cfg, enc)], -1)
+    for d in (1, 2, 3):
+        head = dparams["heads"][d - 1]
+        want = vocab_projection(params, cfg, x @ head["w"] + head["b"])
+        got = drafter.head_logits(params, dparams, h, enc, d)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -378,3 +378,77 @@ def test_per_node_expansion_of_one_guess_a_node_is_the_top1_chain(model, method)
     dynamic = drafts["dynamic-4-3-1"]
     np.testing.assert_array_equal(dynamic.tokens, drafts["chain-3"])
     np.testing.assert_array_equal(dynamic.parent, [[0, 1, 2]] * 2)
+
+
+def beam_pool(lp_of: np.ndarray, depth: int, k: int) -> dict[tuple[int, ...], float]:
+    """EAGLE-2's search, by hand (the root is token 0; guesses after a path depend on its
+    last token): each depth's `k` best nodes by path probability expand their top-k
+    guesses -> every scored path and its log path probability."""
+
+    def children(path, score):
+        best = np.argsort(-lp_of[path[-1] if path else 0], kind="stable")[:k]
+        return [(path + (int(t),), score + float(lp_of[path[-1] if path else 0][t])) for t in best]
+
+    front, pool = children((), 0.0), {}
+    pool.update(front)
+    for _ in range(2, depth + 1):
+        grown = [c for path, score in front for c in children(path, score)]
+        pool.update(grown)
+        front = sorted(grown, key=lambda c: -c[1])[:k]
+    return pool
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_node_expansion_expands_the_width_best_of_each_depth(seed):
+    """expand_frontier against the search by hand: the frontier of each depth is its k
+    best nodes (not any k), each node scores its parent's score plus its own guess's,
+    and the tree is the N best of every scored node."""
+    N, D, k, V = 12, 4, 3, 16
+    table = 3.0 * jax.random.normal(jax.random.key(10 + seed), (V, V))
+    score, token, expand = toy_expansion(table, k)
+    front = jnp.zeros((1, k, 0), bool)
+    empty = jnp.zeros((1, 1, 0, 1))
+    draft = expand_frontier(score, token, DynamicTree(N + 1, D, k), expand, None, front,
+                            empty, empty)  # fmt: skip
+    pool = beam_pool(np.asarray(jax.nn.log_softmax(table, -1)), D, k)
+    paths = chosen_paths(draft, 0)
+    assert len(set(paths)) == N and set(paths) <= set(pool)
+    best = sorted(pool.values(), reverse=True)[:N]
+    np.testing.assert_allclose(sorted((pool[p] for p in paths), reverse=True), best, rtol=1e-5)
+    assert max(len(p) for p in paths) == D  # the search reached the depth bound
+
+
+def test_a_calibration_above_one_is_capped_so_parents_stay_chosen():
+    """A calibration mapping a confident guess above probability 1 is capped at 1 (log 0):
+    a child never outscores its parent, so a one-node tree is a depth-1 node, not an
+    orphaned depth-2 one."""
+    from jaxspec.topology import calibrated
+
+    lp = jnp.log(jnp.array([[[0.9, 0.05], [0.99, 0.001]]]))  # [B,D,k]
+    got = np.asarray(calibrated(lp, ((1.0, 0.0), (1.2, 0.4))))
+    np.testing.assert_allclose(got[0, 0], np.log([0.9, 0.05]), rtol=1e-6)
+    assert got[0, 1, 0] == 0.0 and got[0, 1, 1] < 0
+    logits = jnp.array([[[2.0, 0.0, -1.0], [6.0, -2.0, -2.0]]])  # depth 2 near certain
+    draft = select_nodes(logits, DynamicTree(2, 2, 2), calibration=((1.0, 0.0), (1.0, 0.5)))
+    assert draft.depth.tolist() == [[1]] and draft.tokens.tolist() == [[0]]
+
+
+def test_per_node_expansion_ranks_the_roots_guesses_as_static_drafting(model):
+    """dynamic-13-1-12 (the root's 12 best guesses, best first) drafts what the static
+    comb-1-12 (ranks 0..11 of depth 1) does: the same guesses, in the same order (the
+    root's entry run at the same position)."""
+    from jaxspec.decode import prefill_and_draft
+    from jaxspec.sampling import Sampling
+    from tests.test_chimera import random_chimera
+
+    cfg, params = model.cfg, model.params
+    drafter, dparams = random_chimera(cfg, params, n_heads=3)
+    tokens = jnp.asarray([[5, 9, 7, 11, 5, 2], [8, 30, 8, 0, 0, 0]])
+    drafts = {}
+    for tree in ("comb-1-12", "dynamic-13-1-12"):
+        state = drafter.init_state(cfg, 2, 32, jnp.float32)
+        _, drafts[tree], _, _ = prefill_and_draft(
+            params, dparams, tokens, jnp.asarray([6, 3]), jax.random.key(0), state, cfg=cfg,
+            sampling=Sampling(), tree=tree_preset(tree), drafter=drafter,
+        )  # fmt: skip
+    np.testing.assert_array_equal(drafts["dynamic-13-1-12"].tokens, drafts["comb-1-12"])

@@ -459,3 +459,95 @@ def test_loss_top_beyond_the_draft_vocabulary_is_refused(tiny_ckpt, tmp_path):
                                            "vocabulary's 64"):  # fmt: skip
         train_on_made_up_conversations(eagle, args)
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").rglob("*.npz"))
+
+
+def test_fused_features_take_low_middle_high_in_order(model):
+    """fuse concatenates the states of layers (low, middle, high) in that order: the
+    initial weights pass the high layer's state alone (EAGLE-1's feature)."""
+    cfg, params = model.cfg, model.params
+    drafter = EagleDrafter(cfg, (1, 2, 2))  # the tiny model's 2 layers: low 1, mid and high 2
+    states = {n: jax.random.normal(jax.random.key(n), (2, 3, cfg.dim)) for n in (1, 2)}
+    fused = drafter.fuse(drafter.init(params), states)
+    np.testing.assert_allclose(fused, states[2], rtol=1e-6, atol=1e-6)
+    # each layer's block of the fuse weights reads that layer's state
+    dp = drafter.init(params)
+    D = cfg.dim
+    for i, n in enumerate(drafter.layers):
+        w = jnp.zeros((3 * D, D)).at[i * D : (i + 1) * D].set(jnp.eye(D))
+        got = drafter.fuse({**dp, "fuse": {"w": w, "b": jnp.zeros(D)}}, states)
+        np.testing.assert_allclose(got, states[n], rtol=1e-6, atol=1e-6)
+
+
+def test_draft_vocabulary_guesses_are_the_models_ids(model):
+    """With a draft vocabulary, the guesses are the model's token ids of the best rows
+    among the vocabulary's (by hand: the full projection restricted to those ids), and
+    their log probabilities normalised over the draft vocabulary."""
+    from jaxspec.layers import rms_norm
+    from jaxspec.llama import vocab_projection
+
+    cfg, params = model.cfg, model.params
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    ids = np.random.default_rng(0).choice(cfg.vocab_size, 20, replace=False)
+    dp = drafter.prepare(params, trained_like(drafter, params), {"draft_vocab": ids})
+    y = jax.random.normal(jax.random.key(4), (2, 3, cfg.dim))
+    lp, tokens = drafter.guess_log_probs(params, dp, y, 4)
+    full = vocab_projection(params, cfg, rms_norm(y, dp["norm"], cfg.norm_eps))[..., ids]
+    want_lp, want = jax.lax.top_k(jax.nn.log_softmax(full, -1), 4)
+    np.testing.assert_array_equal(tokens, ids[np.asarray(want)])
+    np.testing.assert_allclose(lp, want_lp, rtol=1e-4, atol=1e-4)
+
+
+def test_dynamic_tree_is_eagle2s_search_by_hand(model):
+    """The search re-run by hand with the drafter along each path (each depth's k best
+    nodes by path probability expand their top-k guesses, each entry at its own depth's
+    position, attending to its own ancestors only): the tree's paths are of that search
+    and are its N best (20 of its 21: each frontier node's own top-k guesses)."""
+    from jaxspec.drafters.base import DraftInputs, Entered
+    from jaxspec.tree import DynamicTree
+
+    cfg, params = model.cfg, model.params
+    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
+    dp = trained_like(drafter, params, seed=5)
+    tokens = jnp.asarray([[5, 9, 7, 11, 5, 8]])
+    _, states = sequence_pass(drafter, params, dp, tokens)
+    p = 5
+    st = drafter.advance(params, dp, DraftInputs(
+        {}, tokens[:, p], jnp.array([p]), state=drafter.init_state(cfg, 1, 32, 0),
+        entered=Entered(tokens[:, :p], jnp.array([0]), jnp.array([p]),
+                        {n: h[:, :p] for n, h in states.items()})))  # fmt: skip
+    tree = DynamicTree(21, 3, 3)  # 20 of the 21 nodes scored: deep ones too
+    draft = drafter.draft_dynamic(params, dp, DraftInputs({}, tokens[:, p], jnp.array([p]),
+                                                          state=st), tree)  # fmt: skip
+
+    @jax.jit
+    def entry(t, feature, d, ks, vs):  # a path's entry at depth d, all before it its ancestors
+        above = jnp.ones((1, 1, ks.shape[2]), bool)
+        return drafter.expand(params, dp, st, jnp.array([p]), t, feature, d, above, ks, vs)
+
+    def log_probs(path):  # the drafter's log probabilities after a path, entries 1..len
+        feature = st.newest[:, None]
+        ks = vs = jnp.zeros((1, drafter.kv_heads, 0, cfg.head_dim))
+        for d, t in enumerate(path, start=1):
+            y, k, v = entry(jnp.array([[t]]), feature, jnp.array([[d]]), ks, vs)
+            feature, ks, vs = y, jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
+        return np.asarray(jax.nn.log_softmax(drafter.logits(params, dp, feature[0, 0])))
+
+    def children(path, score):
+        lp = log_probs(path)
+        return [(path + (int(t),), score + float(lp[t])) for t in np.argsort(-lp)[:3]]
+
+    front = children((), 0.0)
+    pool = dict(front)
+    for _ in range(2, 4):
+        grown = [c for path, score in front for c in children(path, score)]
+        pool.update(grown)
+        front = sorted(grown, key=lambda c: -c[1])[:3]
+    parent, token = np.asarray(draft.parent[0]), np.asarray(draft.tokens[0])
+    paths = {0: ()}
+    for n in range(1, 21):
+        paths[n] = paths[int(parent[n - 1])] + (int(token[n - 1]),)
+    chosen = [paths[n] for n in range(1, 21)]
+    assert len(set(chosen)) == 20 and set(chosen) <= set(pool)
+    best = sorted(pool.values(), reverse=True)[:20]
+    np.testing.assert_allclose(sorted((pool[c] for c in chosen), reverse=True), best,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip

@@ -352,3 +352,26 @@ def test_chain_placement_options():
     settings, data = FirpSettings(layers=(1, 2), chains=3), {"test_topk_accuracy": ACCURACY}
     assert len(drafter.for_tree(tree, settings, data, firp_chains=None).chain_nodes) == 3
     assert drafter.for_tree(tree, settings, data, firp_chains=0) is drafter
+
+
+def test_depth_d_guesses_come_from_the_d_th_pseudo_state():
+    """Chain and dynamic drafts at the accepted node: depth d takes the guesses of the
+    d-th pseudo state's projection (by hand: lm_logits of inputs.drafted[:, d - 1])."""
+    from jaxspec.drafters.base import DraftInputs
+    from jaxspec.drafters.firp import FirpDrafter
+    from jaxspec.llama import lm_logits
+    from jaxspec.topology import select_nodes
+    from jaxspec.tree import DynamicTree
+
+    cfg, params = tiny()
+    drafter = FirpDrafter(cfg, (1, 2))
+    drafted = 3.0 * jax.random.normal(jax.random.key(5), (2, 3, cfg.dim))
+    inputs = DraftInputs({}, jnp.zeros(2, jnp.int32), jnp.array([4, 4]), drafted=drafted)
+    logits = jnp.stack([lm_logits(params, cfg, drafted[:, d : d + 1])[:, 0] for d in range(3)], 1)
+    chain = drafter.propose(params, {}, tree_preset("chain-3"), inputs, None)
+    np.testing.assert_array_equal(chain, jnp.argmax(logits, -1))
+    tree = DynamicTree(9, 3, 3)
+    draft = drafter.propose(params, {}, tree, inputs, None)
+    want = select_nodes(logits, tree)
+    for got, expected in zip(jax.tree.leaves(draft), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(got, expected)

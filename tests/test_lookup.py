@@ -137,3 +137,36 @@ def test_retrieval_confidence_counts_what_decoding_would_have_found():
     assert tries[:, :3].min() > 0  # every match length, three tokens deep
     with np.errstate(invalid="ignore"):
         np.testing.assert_allclose(rates, want_hits / want_tries)  # nan where never tried
+
+
+def test_a_longer_match_outranks_a_later_one_up_to_max_ngram():
+    """The match "1 2 3" (3 tokens) at 0-2 then 9, "2 3" (2 tokens) at 5-6 then 8: the longer match
+    leads though the shorter is later; a run of one token continues into the current one."""
+    history = jnp.array([[1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3, 0, 0]])
+    found, matched = LookupDrafter().continuations(history, jnp.array([10]), 3, 2)
+    assert found[0].tolist() == [[9, 5], [8, 1], [-1, -1]]
+    assert matched[0].tolist() == [3, 2, 0]
+    # the match at 2 ("7 7") is followed by the current token itself (position 3): known
+    found, matched = LookupDrafter().continuations(jnp.array([[5, 7, 7, 7, 0]]),
+                                                   jnp.array([3]), 1, 2)  # fmt: skip
+    assert found[0].tolist() == [[7, -1]] and matched[0].tolist() == [2]
+
+
+def test_the_generated_tokens_join_the_text_matched():
+    """advance() keeps the prompt and then every accepted token: a suffix repeated from
+    the output (not the prompt) is found."""
+    from jaxspec.drafters.base import Entered
+
+    drafter = LookupDrafter()
+    state = drafter.init_state(None, 1, 12, None)
+    rounds = [([4, 6, 1], 0, 2), ([2, 8, 3], 3, 9), ([9, 2], 6, 8)]  # tokens, start, next
+    for tokens, start, current in rounds:
+        n = len(tokens)
+        entered = Entered(jnp.array([tokens]), jnp.array([start]), jnp.array([n]), {})
+        inputs = DraftInputs({}, jnp.array([current]), jnp.array([start + n]), entered=entered,
+                             state=state)  # fmt: skip
+        state = drafter.advance(None, {}, inputs)
+    assert state.tokens[0, :9].tolist() == [4, 6, 1, 2, 8, 3, 9, 2, 8]
+    found, matched = drafter.continuations(state.tokens, jnp.array([8]), 1, 2)
+    # "2 8" ends at 8 (the current token); found at 3-4 (the first output tokens): then 3 9
+    assert found[0].tolist() == [[3, 9]] and matched[0].tolist() == [2]

@@ -317,3 +317,38 @@ def test_held_out_prompts_end_where_answers_start():
     assert held_out_prompts({"tokens": tokens, "lengths": lengths}) == [
         [0, 1, 2, 3], [8, 9, 10], [16, 17]
     ]  # fmt: skip
+
+
+def test_dynamic_trees_take_each_heads_guesses_at_its_depth_calibrated():
+    """A dynamic tree from random heads with a calibration is select_nodes' choice over
+    head d's own logits at depth d (computed here by hand), calibrated: head d guesses
+    depth d, and the calibration moves nodes."""
+    from jaxspec.drafters.base import DraftInputs
+    from jaxspec.llama import final_norm, vocab_projection
+    from jaxspec.topology import select_nodes
+    from tests.test_speculative import tiny
+
+    cfg, params = tiny()
+    calibration = ((0.9, -0.3), (0.4, -1.5), (1.5, 0.2))
+    drafter = MedusaDrafter(cfg, 3, calibration=calibration)
+    keys = jax.random.split(jax.random.key(1), 7)
+    heads = [
+        {"w": 0.5 * jax.random.normal(keys[2 * i], (cfg.dim, cfg.dim)),
+         "b": 0.5 * jax.random.normal(keys[2 * i + 1], (cfg.dim,))}
+        for i in range(3)
+    ]  # fmt: skip
+    hidden = jax.random.normal(keys[6], (2, cfg.dim))
+    x = final_norm(params, cfg, hidden)
+    by_hand = jnp.stack([vocab_projection(params, cfg, x + jax.nn.silu(x @ h["w"] + h["b"]))
+                         for h in heads], 1)  # fmt: skip
+    tree = DynamicTree(10, 3, 4)
+    inputs = DraftInputs({cfg.n_layers: hidden}, jnp.zeros(2, jnp.int32), jnp.array([4, 4]))
+    draft = drafter.propose(params, {"heads": heads}, tree, inputs, None)
+    want = select_nodes(by_hand, tree, calibration=calibration)
+    for got, expected in zip(jax.tree.leaves(draft), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    raw = select_nodes(by_hand, tree)
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(raw), jax.tree.leaves(want), strict=True)
+    )
