@@ -380,14 +380,15 @@ def test_per_node_expansion_of_one_guess_a_node_is_the_top1_chain(model, method)
     np.testing.assert_array_equal(dynamic.parent, [[0, 1, 2]] * 2)
 
 
-def beam_pool(lp_of: np.ndarray, depth: int, k: int) -> dict[tuple[int, ...], float]:
-    """EAGLE-2's search, by hand (the root is token 0; guesses after a path depend on its
-    last token): each depth's `k` best nodes by path probability expand their top-k
-    guesses -> every scored path and its log path probability."""
+def beam_pool(log_probs, depth: int, k: int) -> dict[tuple[int, ...], float]:
+    """EAGLE-2's search, by hand: each depth's `k` best nodes by path probability expand
+    their top-k guesses (log_probs(path) [V]: the guesses after a token path) -> every
+    scored path and its log path probability."""
 
     def children(path, score):
-        best = np.argsort(-lp_of[path[-1] if path else 0], kind="stable")[:k]
-        return [(path + (int(t),), score + float(lp_of[path[-1] if path else 0][t])) for t in best]
+        lp = log_probs(path)
+        return [(path + (int(t),), score + float(lp[t]))
+                for t in np.argsort(-lp, kind="stable")[:k]]  # fmt: skip
 
     front, pool = children((), 0.0), {}
     pool.update(front)
@@ -396,6 +397,14 @@ def beam_pool(lp_of: np.ndarray, depth: int, k: int) -> dict[tuple[int, ...], fl
         pool.update(grown)
         front = sorted(grown, key=lambda c: -c[1])[:k]
     return pool
+
+
+def assert_the_n_best_of(pool: dict, paths: list, n: int, tol: float) -> None:
+    """The chosen paths are n distinct ones of the search's pool, and its n best."""
+    assert len(set(paths)) == n and set(paths) <= set(pool)
+    best = sorted(pool.values(), reverse=True)[:n]
+    chosen = sorted((pool[p] for p in paths), reverse=True)
+    np.testing.assert_allclose(chosen, best, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -410,11 +419,10 @@ def test_per_node_expansion_expands_the_width_best_of_each_depth(seed):
     empty = jnp.zeros((1, 1, 0, 1))
     draft = expand_frontier(score, token, DynamicTree(N + 1, D, k), expand, None, front,
                             empty, empty)  # fmt: skip
-    pool = beam_pool(np.asarray(jax.nn.log_softmax(table, -1)), D, k)
+    lp_of = np.asarray(jax.nn.log_softmax(table, -1))  # guesses after a path's last token
+    pool = beam_pool(lambda path: lp_of[path[-1] if path else 0], D, k)  # the root is 0
     paths = chosen_paths(draft, 0)
-    assert len(set(paths)) == N and set(paths) <= set(pool)
-    best = sorted(pool.values(), reverse=True)[:N]
-    np.testing.assert_allclose(sorted((pool[p] for p in paths), reverse=True), best, rtol=1e-5)
+    assert_the_n_best_of(pool, paths, N, 1e-5)
     assert max(len(p) for p in paths) == D  # the search reached the depth bound
 
 

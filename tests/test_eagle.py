@@ -504,6 +504,7 @@ def test_dynamic_tree_is_eagle2s_search_by_hand(model):
     and are its N best (20 of its 21: each frontier node's own top-k guesses)."""
     from jaxspec.drafters.base import DraftInputs, Entered
     from jaxspec.tree import DynamicTree
+    from tests.test_dynamic_tree import assert_the_n_best_of, beam_pool, chosen_paths
 
     cfg, params = model.cfg, model.params
     drafter = EagleDrafter(cfg, (1, 1, 2), 3)
@@ -532,22 +533,5 @@ def test_dynamic_tree_is_eagle2s_search_by_hand(model):
             feature, ks, vs = y, jnp.concatenate([ks, k], 2), jnp.concatenate([vs, v], 2)
         return np.asarray(jax.nn.log_softmax(drafter.logits(params, dp, feature[0, 0])))
 
-    def children(path, score):
-        lp = log_probs(path)
-        return [(path + (int(t),), score + float(lp[t])) for t in np.argsort(-lp)[:3]]
-
-    front = children((), 0.0)
-    pool = dict(front)
-    for _ in range(2, 4):
-        grown = [c for path, score in front for c in children(path, score)]
-        pool.update(grown)
-        front = sorted(grown, key=lambda c: -c[1])[:3]
-    parent, token = np.asarray(draft.parent[0]), np.asarray(draft.tokens[0])
-    paths = {0: ()}
-    for n in range(1, 21):
-        paths[n] = paths[int(parent[n - 1])] + (int(token[n - 1]),)
-    chosen = [paths[n] for n in range(1, 21)]
-    assert len(set(chosen)) == 20 and set(chosen) <= set(pool)
-    best = sorted(pool.values(), reverse=True)[:20]
-    np.testing.assert_allclose(sorted((pool[c] for c in chosen), reverse=True), best,
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    pool = beam_pool(log_probs, 3, 3)
+    assert_the_n_best_of(pool, chosen_paths(draft, 0), 20, 1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -165,17 +166,22 @@ def test_sampling_is_reproducible_and_varies_with_seed(tree_name):
     assert a != gen.generate([5, 6, 7], 30, seed=4).token_ids
 
 
-def exact_two_token_distribution(cfg, params, context, sampling):
-    """p(x1, x2 | context) [V,V] from the model's warped distributions."""
+def exact_joint_distribution(cfg, params, context, sampling, n: int = 2):
+    """p(x1, ..., xn | context) [V]*n from the model's warped distributions."""
     V = cfg.vocab_size
-    seqs = jnp.asarray([context + [x1] for x1 in range(V)], jnp.int32)  # [V,C+1]
-    T = seqs.shape[1]
+    prefixes = itertools.product(range(V), repeat=n - 1)  # every x1..x(n-1)
+    seqs = jnp.asarray([context + list(x) for x in prefixes], jnp.int32)  # [V^(n-1),C+n-1]
+    N, T = seqs.shape
     logits, _, _ = forward(
         params, cfg, seqs, jnp.broadcast_to(jnp.arange(T), seqs.shape),
-        init_cache(cfg, V, T), causal_mask(V, T),
+        init_cache(cfg, N, T), causal_mask(N, T),
     )  # fmt: skip
     p = np.exp(np.asarray(warped_logprobs(logits, sampling), np.float64))
-    return p[0, -2][:, None] * p[:, -1]  # p(x1) * p(x2 | x1)
+    p = p.reshape(*(V,) * (n - 1), T, V)
+    joint = p[(0,) * (n - 1)][T - n]  # p(x1)
+    for k in range(1, n):  # times p(x(k+1) | x1..xk)
+        joint = joint[..., None] * p[(slice(None),) * k + (0,) * (n - 1 - k)][..., T - n + k, :]
+    return joint
 
 
 def sampling_test_drafter(name: str, cfg: LlamaConfig, params):
@@ -261,7 +267,7 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
     # first-step drafts from a proposal sharper than the model's first token (fixed before
     # the step's randomness): with uniform ones even acceptance that forgets rejected
     # tokens would give p exactly
-    expected = exact_two_token_distribution(cfg, params, prompt + [root], sampling)  # [V,V]
+    expected = exact_joint_distribution(cfg, params, prompt + [root], sampling)  # [V,V]
     sharp = 2 * jnp.log(jnp.asarray(expected.sum(1), jnp.float32) + 1e-6)
     candidates = jax.random.categorical(jax.random.key(1), sharp, shape=(N, tree.n_nodes - 1))
     if isinstance(tree, DynamicTree):  # its topology too is the drafter's: take its draft
@@ -296,19 +302,6 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
     assert chisquare(obs, exp).pvalue > 1e-3
 
 
-def exact_three_token_distribution(cfg, params, context, sampling):
-    """p(x1, x2, x3 | context) [V,V,V] from the model's warped distributions."""
-    V = cfg.vocab_size
-    seqs = jnp.asarray([context + [a, b] for a in range(V) for b in range(V)], jnp.int32)
-    N, T = seqs.shape
-    logits, _, _ = forward(
-        params, cfg, seqs, jnp.broadcast_to(jnp.arange(T), seqs.shape),
-        init_cache(cfg, N, T), causal_mask(N, T),
-    )  # fmt: skip
-    p = np.exp(np.asarray(warped_logprobs(logits, sampling), np.float64)).reshape(V, V, T, V)
-    return p[0, 0, -3][:, None, None] * p[:, 0, -2][:, :, None] * p[:, :, -1]
-
-
 @pytest.mark.parametrize("tree_name", [None, "chain-1"])
 def test_generated_tokens_follow_the_models_joint_distribution_across_steps(tree_name):
     """Many rows of one prompt through generate_batch (one seed: every step gets the same
@@ -322,7 +315,7 @@ def test_generated_tokens_follow_the_models_joint_distribution_across_steps(tree
     drafter = RandomDrafter(cfg.vocab_size) if tree else None
     gen = SpeculativeGenerator(cfg, params, drafter, None, tree, sampling)
     out = np.array([r.token_ids for r in gen.generate_batch([prompt] * N, 3, seed=5)])
-    expected = exact_three_token_distribution(cfg, params, prompt, sampling)
+    expected = exact_joint_distribution(cfg, params, prompt, sampling, 3)
     expected = expected.sum(0) * N  # p(x2, x3): 36 cells
     observed = np.zeros_like(expected)
     np.add.at(observed, (out[:, 1], out[:, 2]), 1)
