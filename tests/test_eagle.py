@@ -144,16 +144,14 @@ def test_training_window_is_the_whole_sequence_pass_there(model, blocks):
                                        rtol=2e-4, atol=2e-4)  # fmt: skip
 
 
-def test_dynamic_tree_is_the_n_best_of_all_scored(model):
-    """EAGLE-2's pool: every chosen node's score is its parent's plus its token's log
-    probability under the drafter at its parent, and no unchosen scored node beats the
-    worst chosen one (checked against the drafter re-run on each chosen path)."""
+def drafter_after_prompt(model, seed: int):
+    """A random-like EAGLE drafter (layers 1, 1, 2; depth 3) whose state has entered the
+    first 5 tokens of [5, 9, 7, 11, 5, 8] -> (drafter, its params, tokens, 5, state)."""
     from jaxspec.drafters.base import DraftInputs, Entered
-    from jaxspec.tree import DynamicTree
 
     cfg, params = model.cfg, model.params
     drafter = EagleDrafter(cfg, (1, 1, 2), 3)
-    dp = trained_like(drafter, params, seed=2)
+    dp = trained_like(drafter, params, seed=seed)
     tokens = jnp.asarray([[5, 9, 7, 11, 5, 8]])
     _, states = sequence_pass(drafter, params, dp, tokens)
     p = 5
@@ -161,6 +159,18 @@ def test_dynamic_tree_is_the_n_best_of_all_scored(model):
         {}, tokens[:, p], jnp.array([p]), state=drafter.init_state(cfg, 1, 32, 0),
         entered=Entered(tokens[:, :p], jnp.array([0]), jnp.array([p]),
                         {n: h[:, :p] for n, h in states.items()})))  # fmt: skip
+    return drafter, dp, tokens, p, st
+
+
+def test_dynamic_tree_is_the_n_best_of_all_scored(model):
+    """EAGLE-2's pool: every chosen node's score is its parent's plus its token's log
+    probability under the drafter at its parent, and no unchosen scored node beats the
+    worst chosen one (checked against the drafter re-run on each chosen path)."""
+    from jaxspec.drafters.base import DraftInputs
+    from jaxspec.tree import DynamicTree
+
+    cfg, params = model.cfg, model.params
+    drafter, dp, tokens, p, st = drafter_after_prompt(model, seed=2)
     inputs = DraftInputs({}, tokens[:, p], jnp.array([p]), state=st)
     tree = DynamicTree(10, 3, 3)
     draft = drafter.draft_dynamic(params, dp, inputs, tree)
@@ -502,20 +512,12 @@ def test_dynamic_tree_is_eagle2s_search_by_hand(model):
     nodes by path probability expand their top-k guesses, each entry at its own depth's
     position, attending to its own ancestors only): the tree's paths are of that search
     and are its N best (20 of its 21: each frontier node's own top-k guesses)."""
-    from jaxspec.drafters.base import DraftInputs, Entered
+    from jaxspec.drafters.base import DraftInputs
     from jaxspec.tree import DynamicTree
     from tests.test_dynamic_tree import assert_the_n_best_of, beam_pool, chosen_paths
 
     cfg, params = model.cfg, model.params
-    drafter = EagleDrafter(cfg, (1, 1, 2), 3)
-    dp = trained_like(drafter, params, seed=5)
-    tokens = jnp.asarray([[5, 9, 7, 11, 5, 8]])
-    _, states = sequence_pass(drafter, params, dp, tokens)
-    p = 5
-    st = drafter.advance(params, dp, DraftInputs(
-        {}, tokens[:, p], jnp.array([p]), state=drafter.init_state(cfg, 1, 32, 0),
-        entered=Entered(tokens[:, :p], jnp.array([0]), jnp.array([p]),
-                        {n: h[:, :p] for n, h in states.items()})))  # fmt: skip
+    drafter, dp, tokens, p, st = drafter_after_prompt(model, seed=5)
     tree = DynamicTree(21, 3, 3)  # 20 of the 21 nodes scored: deep ones too
     draft = drafter.draft_dynamic(params, dp, DraftInputs({}, tokens[:, p], jnp.array([p]),
                                                           state=st), tree)  # fmt: skip

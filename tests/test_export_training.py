@@ -62,6 +62,15 @@ def made_up_features(n: int = 4) -> dict:
     return {**made_up_answers(n), "hidden": hidden, "predicted": predicted}
 
 
+def made_up_layer_features(model, root, split, n, prompt_len, new_tokens, layers, **kw):
+    """train.eagle.layer_features' stand-in: made-up features with random states of the
+    layers asked for and the last one."""
+    stored = sorted(set(layers) | {CFG.n_layers})
+    rng = np.random.default_rng(len(split))
+    states = rng.standard_normal((4, S, len(stored), CFG.dim)).astype(np.float16)
+    return {**made_up_features(), "states": states, "layers": np.asarray(stored)}
+
+
 class Stop(Exception):
     """Raised by a recorded program whose result the test does not need."""
 
@@ -163,13 +172,7 @@ def eagle(tmp, monkeypatch, states="cached", products="exact", argv=()) -> dict:
     record(monkeypatch, programs, train.eagle, "train_step")
     record(monkeypatch, programs, train.eagle, "topk_hits")
 
-    def layer_features(model, root, split, n, prompt_len, new_tokens, layers, **kw):
-        stored = sorted(set(layers) | {CFG.n_layers})
-        rng = np.random.default_rng(len(split))
-        states = rng.standard_normal((4, S, len(stored), CFG.dim)).astype(np.float16)
-        return {**made_up_features(), "states": states, "layers": np.asarray(stored)}
-
-    monkeypatch.setattr(train.eagle, "layer_features", layer_features)
+    monkeypatch.setattr(train.eagle, "layer_features", made_up_layer_features)
     monkeypatch.setattr(train.eagle, "self_answers", lambda *args: made_up_answers())
     argv = ["--ttt", "2", "--rows", "4", "--guess-vocab", "32", "--states", states,
             *(["--live-products", products] if states == "live" else []), *argv]  # fmt: skip

@@ -14,7 +14,14 @@ import pytest
 from jaxspec.drafters.chimera import training_logits
 from jaxspec.drafters.eagle import EagleDrafter, shifted, training_outputs
 from jaxspec.llama import lm_logits
-from tests.test_export_training import CFG, S, Stop, made_up_features, model, started
+from tests.test_export_training import (
+    CFG,
+    Stop,
+    made_up_features,
+    made_up_layer_features,
+    model,
+    started,
+)
 
 STARTS, LENGTHS = np.array([5, 3]), np.array([12, 10])  # prompts 0..4 and 0..2
 
@@ -161,13 +168,7 @@ def started_trainer(tmp_path, monkeypatch, method: str):
     import train.medusa
     import train.sdsat
 
-    def layer_features(model, root, split, n, prompt_len, new_tokens, layers, **kw):
-        stored = sorted(set(layers) | {CFG.n_layers})
-        rng = np.random.default_rng(len(split))
-        states = rng.standard_normal((4, S, len(stored), CFG.dim)).astype(np.float16)
-        return {**made_up_features(), "states": states, "layers": np.asarray(stored)}
-
-    monkeypatch.setattr(train.eagle, "layer_features", layer_features)
+    monkeypatch.setattr(train.eagle, "layer_features", made_up_layer_features)
     both = lambda features=False: (made_up_features(), made_up_features())  # noqa: E731
     module, kind, argv, data = {
         "eagle": (train.eagle, train.eagle.Eagle,
@@ -187,9 +188,12 @@ def started_trainer(tmp_path, monkeypatch, method: str):
 
 @pytest.mark.parametrize(
     "method, weights, at",
-    [("eagle", [1, 0.5, 0.25], 6), ("medusa", [0.5, 0.25, 0.125], 5),
-     ("chimera", [0.5, 0.25, 0.125], 6)],
-)  # fmt: skip
+    [
+        ("eagle", [1, 0.5, 0.25], 6),
+        ("medusa", [0.5, 0.25, 0.125], 5),
+        ("chimera", [0.5, 0.25, 0.125], 6),
+    ],
+)
 def test_the_nearest_guess_weighs_most(method, weights, at, tmp_path, monkeypatch):
     """--decay 0.5: EAGLE's step k weighs decay**(k-1), Medusa's and Chimera's head k
     decay**k, in the weights the training step receives."""
@@ -324,9 +328,16 @@ def test_each_firp_map_starts_with_a_fresh_optimizer(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "flag", [["--lr", "0.5"], ["--decay", "0.5"], ["--seed", "3"], ["--batch", "7"],
-             ["--train-seqs", "9"], ["--heads", "2"]],
-)  # fmt: skip
+    "flag",
+    [
+        ["--lr", "0.5"],
+        ["--decay", "0.5"],
+        ["--seed", "3"],
+        ["--batch", "7"],
+        ["--train-seqs", "9"],
+        ["--heads", "2"],
+    ],
+)
 def test_a_rerun_with_other_training_flags_starts_a_new_run(flag):
     """Checkpoints are keyed by every flag that changes the weights: a rerun with another
     learning rate (or decay, seed, batch, data, heads) must not resume the old run's."""
