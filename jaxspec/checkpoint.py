@@ -86,7 +86,7 @@ def is_checkpoint(path: Path) -> bool:
 
 def load_params(path: Path, cfg: LlamaConfig, dtype=None, on_host: bool = False) -> dict:
     """The checkpoint's params on the default device in `dtype` (None: default_dtype()),
-    or with on_host as the host arrays stored (no device, no cast: for converting)."""
+    or with on_host as host arrays (no device: for converting), as stored or in `dtype`."""
     file = Path(path) / WEIGHTS_FILE
     try:
         with safe_open(str(file), framework="numpy") as f:
@@ -103,6 +103,8 @@ def load_params(path: Path, cfg: LlamaConfig, dtype=None, on_host: bool = False)
         )
     if not on_host:
         flat = {k: jnp.asarray(v, dtype or default_dtype()) for k, v in flat.items()}
+    elif dtype is not None:
+        flat = {k: np.asarray(v, dtype) for k, v in flat.items()}
     params = unflatten_params(flat, cfg.n_layers)
     check_params(params, cfg)
     return params

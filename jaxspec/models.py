@@ -8,7 +8,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.checkpoint import (
     CONFIG_FILE,
@@ -75,12 +74,11 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
     elif is_checkpoint(path):
         cfg, params = load_checkpoint(path)
         tokenizer = load_tokenizer(path)
-    else:  # an HF folder or GGUF file: read whole into host memory, then placed
-        cfg, params, tokenizer = load_any(path)
+    else:  # an HF folder or GGUF file: read into host memory in the dtype asked for, placed
+        cfg, params, tokenizer = load_any(path, jnp.dtype(dtype) if dtype else default_dtype())
         if mesh is None:
-            params = jax.tree.map(lambda a: jnp.asarray(a, default_dtype()), params)
+            params = jax.tree.map(jnp.asarray, params)
         else:  # host arrays straight to their shards: never the whole model on one device
-            params = jax.tree.map(lambda a: np.asarray(a, default_dtype()), params)
             params = shard_params(params, cfg, mesh)
-    # placed as stored, then cast: each device casts its own shards
+    # a checkpoint is placed as stored, then cast: each device casts its own shards
     return LoadedModel(path, cfg, compute_params(params, dtype), tokenizer, mesh)

@@ -57,6 +57,25 @@ def test_conversions_never_put_a_weight_on_a_device(tmp_path):
     assert (tmp_path / "from-gguf" / WEIGHTS_FILE).is_file()
 
 
+def test_each_source_is_read_in_the_dtype_asked_for(tmp_path):
+    """An HF folder or a checkpoint read for loading in bfloat16 is cast tensor by tensor on
+    the host (a float32 copy of a 70B model beside it would need ~280 GB)."""
+    import jax
+    import ml_dtypes
+
+    from jaxspec.convert import load_any
+
+    hf_dir, _ = save_tiny(tmp_path)
+    convert(hf_dir, tmp_path / "ours")
+    for src in (hf_dir, tmp_path / "ours"):
+        stored = jax.tree.leaves(load_any(src)[1])
+        cast = jax.tree.leaves(load_any(src, ml_dtypes.bfloat16)[1])
+        assert {w.dtype for w in stored} == {np.dtype(np.float32)}
+        for w, c in zip(stored, cast, strict=True):
+            assert isinstance(c, np.ndarray) and c.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(c, w.astype(ml_dtypes.bfloat16))
+
+
 def test_unpermute_inverts_llama_cpp_order():
     # llama.cpp's q/k layout, per head: (2, pair) -> (pair, 2).
     w = np.arange(2 * 8 * 3).reshape(16, 3)

@@ -1,11 +1,13 @@
 """GGUF import of each family as llama.cpp writes it (Llama 3.2 and Mistral as the llama
-architecture, qwen2, qwen3), F32 with F16 and Q8_0 tensors among them, against HF's logits."""
+architecture, qwen2, qwen3), F32 with F16, Q8_0 and Q4_1 tensors among them, against HF's
+logits."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -22,12 +24,14 @@ from tests.test_parity_hf import jax_logits
 
 ARCH = {"llama3.2": "llama", "llama-linear": "llama", "mistral": "llama", "qwen2": "qwen2",
         "qwen3": "qwen3"}  # fmt: skip
-# Tensors not in F32 (llama.cpp keeps norms and biases in F32 whatever the file type).
+# Tensors not in F32 (llama.cpp keeps norms and biases in F32 whatever the file type); the
+# llama architecture's ffn_down in Q4_1, the default model's GGUF type.
 QTYPES = {
     "token_embd.weight": "F16",
     "attn_q.weight": "F16",
     "ffn_down.weight": "Q8_0",
 }
+LLAMA_QTYPES = {**QTYPES, "ffn_down.weight": "Q4_1"}
 LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 
 
@@ -115,7 +119,8 @@ def write_gguf(path, model, family: str) -> None:
             continue
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))  # blk.0.attn_q.weight
         kind = re.sub(r"^blk\.\d+\.", "", name)
-        qtype = gguf.GGMLQuantizationType[QTYPES.get(kind, "F32")]
+        qtypes = LLAMA_QTYPES if arch == "llama" else QTYPES
+        qtype = gguf.GGMLQuantizationType[qtypes.get(kind, "F32")]
         x = tensor.numpy()  # [out, in] or [out]
         stored = llama_cpp_permute(x, heads[kind]) if arch == "llama" and kind in heads else x
         w.add_tensor(name, quantize(stored, qtype), raw_dtype=qtype)
@@ -146,6 +151,35 @@ def test_gguf_family_matches_hf(tmp_path, family):
     np.testing.assert_allclose(
         jax_logits(tmp_path / "ours", tokens)[0], hf_logits(model, tokens), atol=1e-4, rtol=1e-4
     )
+
+
+def test_a_gguf_is_cast_tensor_by_tensor(tmp_path, monkeypatch):
+    """load_model(.gguf, dtype="bfloat16"): each tensor is cast as it is dequantised (all of
+    a 70B GGUF in float32 would need ~280 GB of host memory), to the weights a float32 load
+    gives cast."""
+    import gguf.quants
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.checkpoint import flatten_params
+    from jaxspec.models import load_model
+
+    write_gguf(tmp_path / "tiny.gguf", tiny_model("llama3.2"), "llama3.2")
+    whole = flatten_params(load_model(tmp_path / "tiny.gguf").params)
+    dequantised, real_dequantize = [], gguf.quants.dequantize
+
+    def dequantize(data, qtype):  # [out, in] or [out] float32; none earlier still held
+        assert all(w() is None for w in dequantised)
+        out = real_dequantize(data, qtype)
+        dequantised.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(gguf.quants, "dequantize", dequantize)
+    cast = flatten_params(load_model(tmp_path / "tiny.gguf", dtype="bfloat16").params)
+    assert len(dequantised) == len(whole) + 1  # and rope_freqs
+    for name, w in whole.items():
+        assert cast[name].dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(cast[name], jax.device_get(w).astype(jnp.bfloat16))
 
 
 def test_unsupported_architecture_is_one_line_error(tmp_path, capsys):

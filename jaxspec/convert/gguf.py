@@ -147,7 +147,9 @@ def _eos_ids(reader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def load_gguf(path: Path) -> tuple[LlamaConfig, dict, object]:
+def load_gguf(path: Path, dtype=np.float32) -> tuple[LlamaConfig, dict, object]:
+    """(config, params as host arrays in `dtype`, tokenizer | None). Each tensor is cast as
+    it is dequantised: the file's weights are never all in float32 at once."""
     from gguf.quants import dequantize
 
     path = Path(path)
@@ -165,7 +167,7 @@ def load_gguf(path: Path) -> tuple[LlamaConfig, dict, object]:
         if name is None:
             unknown.append(t.name)
             continue
-        w = np.asarray(dequantize(t.data, t.tensor_type), np.float32)  # [out, in] or [out]
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype)  # [out, in] or [out]
         if interleaved and name.endswith("q_proj.weight"):
             w = unpermute_rope_rows(w, cfg.n_heads)
         elif interleaved and name.endswith("k_proj.weight"):

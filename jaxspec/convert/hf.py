@@ -61,21 +61,24 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(files: list[Path]) -> dict[str, np.ndarray]:
+def read_safetensors(files: list[Path], dtype=None) -> dict[str, np.ndarray]:
+    """Every tensor of `files` as a host array, cast to `dtype` as it is read (None: as
+    stored)."""
     tensors = {}
     for file in files:
         try:
             with safe_open(str(file), framework="numpy") as f:  # host arrays, no device
                 for key in f.keys():  # noqa: SIM118 (not a dict)
-                    tensors[key] = f.get_tensor(key)
+                    tensors[key] = np.asarray(f.get_tensor(key), dtype)
         except (SafetensorError, OSError) as e:
             raise JaxspecError(f"corrupt safetensors file {file}: {e}; download it again") from None
     return tensors
 
 
-def load_hf_folder(folder: Path) -> tuple[LlamaConfig, dict, object]:
+def load_hf_folder(folder: Path, dtype=None) -> tuple[LlamaConfig, dict, object]:
     cfg = read_hf_config(folder)
-    params = params_from_hf(read_safetensors(safetensors_files(folder)), cfg, str(folder))
+    tensors = read_safetensors(safetensors_files(folder), dtype)
+    params = params_from_hf(tensors, cfg, str(folder))
     return cfg, params, load_tokenizer(folder)
 
 
