@@ -1,4 +1,4 @@
-"""jaxspec-convert [SRC] --out DIR [--to {jaxspec,hf}] [--if-missing] [--overwrite]"""
+"""jaxspec-convert [SRC] --out DIR [--to {jaxspec,hf}] [--dtype D] [--if-missing] [--overwrite]"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from jaxspec.checkpoint import DEFAULT_MODEL_NAME, default_model_dir, is_checkpoint
 from jaxspec.cli import ArgumentParser, run_main
 from jaxspec.errors import JaxspecError
+from jaxspec.models import DTYPES
 from jaxspec.outputs import check_output_dir
 
 
@@ -23,6 +24,12 @@ def parse_args(argv=None):
         "--out", type=Path, help="output folder (default: the user cache for SRC-less runs)"
     )
     p.add_argument("--to", choices=("jaxspec", "hf"), default="jaxspec", help="output format")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="write the weights in this dtype, cast tensor by tensor (default: as stored; a "
+        "GGUF's dequantised to float32, twice the size of bfloat16)",
+    )
     p.add_argument(
         "--if-missing", action="store_true", help="do nothing if OUT already holds a checkpoint"
     )
@@ -56,7 +63,7 @@ def _main(argv) -> None:
     own = args.src is None and args.out is None  # the cache folder, not a user's
     check_output_dir(out, [src], overwrite=args.overwrite or own, what=what)
     start = time.perf_counter()
-    convert(src, out, args.to, name=None if args.src else DEFAULT_MODEL_NAME)
+    convert(src, out, args.to, name=None if args.src else DEFAULT_MODEL_NAME, dtype=args.dtype)
     print(f"converted {src} -> {out} ({args.to}) in {time.perf_counter() - start:.1f} s")
 
 

@@ -76,6 +76,28 @@ def test_each_source_is_read_in_the_dtype_asked_for(tmp_path):
             np.testing.assert_array_equal(c, w.astype(ml_dtypes.bfloat16))
 
 
+def test_convert_writes_the_dtype_asked_for(tmp_path):
+    """jaxspec-convert --dtype bfloat16 of a GGUF (dequantised to float32 by default) and of
+    a checkpoint: the weights of the default conversion, cast."""
+    import jax
+    import ml_dtypes
+
+    _, model = save_tiny(tmp_path)
+    write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    convert_main([str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "f32")])
+    for src in ("tiny.gguf", "f32"):
+        out = tmp_path / f"bf16-from-{src}"
+        convert_main([str(tmp_path / src), "--out", str(out), "--dtype", "bfloat16"])
+        stored = jax.tree.leaves(load_checkpoint(tmp_path / "f32", on_host=True)[1])
+        cast = jax.tree.leaves(load_checkpoint(out, on_host=True)[1])
+        assert {w.dtype for w in stored} == {np.dtype(np.float32)}
+        for w, c in zip(stored, cast, strict=True):
+            assert c.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(c, w.astype(ml_dtypes.bfloat16))
+    with pytest.raises(JaxspecError, match="unknown dtype 'float16'"):
+        convert(tmp_path / "f32", tmp_path / "f16", dtype="float16")
+
+
 def test_unpermute_inverts_llama_cpp_order():
     # llama.cpp's q/k layout, per head: (2, pair) -> (pair, 2).
     w = np.arange(2 * 8 * 3).reshape(16, 3)

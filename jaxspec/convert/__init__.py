@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
@@ -31,11 +32,16 @@ def load_any(src: Path, dtype=None):
     return load_hf_folder(src, dtype)
 
 
-def convert(src: Path, out: Path, to: str = "jaxspec", name: str | None = None) -> None:
-    """Convert src into out; `name` overrides the model name recorded in the config. `out`
-    may hold other files (the CLI asks for --overwrite then) but never src."""
+def convert(
+    src: Path, out: Path, to: str = "jaxspec", name: str | None = None, dtype: str | None = None
+) -> None:
+    """Convert src into out; `name` overrides the model name recorded in the config, `dtype`
+    ("float32", "bfloat16"; None: as stored) the weights'. `out` may hold other files (the
+    CLI asks for --overwrite then) but never src."""
+    if dtype not in (None, "float32", "bfloat16"):
+        raise JaxspecError(f"unknown dtype {dtype!r}; use 'float32' or 'bfloat16'")
     check_output_dir(out, [src], overwrite=True)
-    cfg, params, tokenizer = load_any(src)
+    cfg, params, tokenizer = load_any(src, np.dtype(jnp.dtype(dtype)) if dtype else None)
     if name:
         cfg = dataclasses.replace(cfg, name=name)
     if to == "jaxspec":
