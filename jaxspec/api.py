@@ -44,7 +44,8 @@ class Generator:
     process has one unless XLA_FLAGS=--xla_force_host_platform_device_count=4 is set before
     jax starts; `import jaxspec` does not start it) its sub-processes share them: the same
     tokens, without the parallel speedup, and a warning says so. A PPD step is one token:
-    its tokens per step are always 1."""
+    its tokens per step are always 1. Threads may share one Generator (a server's workers):
+    each setting's programs are compiled once, by the first thread that needs them."""
 
     def __init__(
         self,
@@ -70,14 +71,16 @@ class Generator:
             firp_chains=firp_chains, sdsat_loop=sdsat_loop, retrieval=retrieval,
         )  # fmt: skip
         self._built: dict[Sampling, object] = {}
+        self._building = threading.Lock()  # one decoder per setting, whichever thread asks
         self._decoder(Sampling())  # a bad drafter, tree or option fails here, not later
 
     def _decoder(self, sampling: Sampling):
-        if sampling not in self._built:
-            self._built[sampling] = build_generator(
-                self.model, self.method, sampling=sampling, **self._options
-            )
-        return self._built[sampling]
+        with self._building:
+            if sampling not in self._built:
+                self._built[sampling] = build_generator(
+                    self.model, self.method, sampling=sampling, **self._options
+                )
+            return self._built[sampling]
 
     def encode(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: text through the tokenizer (and chat template), ids as given."""

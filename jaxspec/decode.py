@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -345,6 +346,7 @@ class SpeculativeGenerator:
         self.drafter.check_tree(self.tree)
         self.drafter_state = None
         self._executables: dict[tuple, tuple[Callable, ...]] = {}
+        self._compiling = threading.Lock()  # threads generating at once compile a key once
         self._makers: dict[tuple, Callable] = {}  # (kind, batch, cache_len): its maker on the mesh
 
     def _checked_tree(self, tree):
@@ -502,17 +504,18 @@ class SpeculativeGenerator:
         """AOT-compiled programs (`lowerings`) for this prompt bucket, prefill kind and cache
         length -> (name: executable, compile seconds; 0 when already compiled)."""
         key = (pre_args[2].shape, pre_args[6] is not None, cache.max_len)
-        if key in self._executables:
-            return self._executables[key], 0.0
-        start = time.perf_counter()
-        plan = self.lowerings(pre_args, cache)
-        programs = {  # roundings as written: EXACT_ROUNDING
-            name: p.lower(*args, **kw).compile(EXACT_ROUNDING)
-            for name, (p, args, kw) in plan.items()
-        }
-        self._warm_up(programs, pre_args, cache.max_len)
-        self._executables[key] = programs
-        return programs, time.perf_counter() - start
+        with self._compiling:
+            if key in self._executables:
+                return self._executables[key], 0.0
+            start = time.perf_counter()
+            plan = self.lowerings(pre_args, cache)
+            programs = {  # roundings as written: EXACT_ROUNDING
+                name: p.lower(*args, **kw).compile(EXACT_ROUNDING)
+                for name, (p, args, kw) in plan.items()
+            }
+            self._warm_up(programs, pre_args, cache.max_len)
+            self._executables[key] = programs
+            return programs, time.perf_counter() - start
 
     def _warm_up(self, programs: dict[str, Callable], pre_args, max_len: int) -> None:
         """Run fresh executables once on throwaway inputs: on XLA:CPU an executable's first

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -363,3 +364,31 @@ def test_stream_is_an_iterator(generators, reference):
     assert iter(stream) is stream and isinstance(next(stream), str)
     list(stream)
     assert stream.result.token_ids == reference.token_ids
+
+
+def test_one_generator_serves_several_threads(model, drafters, monkeypatch):
+    """Threads sharing one Generator (a server's workers) get the tokens one call gets, and
+    a setting's decoder and its programs are built once, not once per thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jaxspec import api, decode
+
+    gen = jaxspec.Generator(model, "medusa", **options("medusa", drafters))
+    built, lowered = [], []
+
+    def slowly(calls, real):  # every thread reaches the build before the first one ends
+        def run(*args, **kw):
+            calls.append(args)
+            time.sleep(0.5)
+            return real(*args, **kw)
+
+        return run
+
+    monkeypatch.setattr(api, "build_generator", slowly(built, api.build_generator))
+    lowerings = slowly(lowered, decode.SpeculativeGenerator.lowerings)
+    monkeypatch.setattr(decode.SpeculativeGenerator, "lowerings", lowerings)
+    sample = dict(max_new_tokens=N, temperature=0.7, seed=3)
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda _: gen.generate(PROMPT, **sample).token_ids, range(3)))
+    assert outs == [gen.generate(PROMPT, **sample).token_ids] * 3
+    assert len(built) == 1 and len(lowered) == 1
