@@ -85,6 +85,10 @@ def test_acceptance_by_depth_counts_steps_at_least_that_deep():
     assert got["acceptance_by_depth"] == [4 / 6, 3 / 6, 1 / 6, 0.0]
     assert acceptance([0, 0, 0]) == {"acceptance_by_depth": [], "accepted_histogram": [3]}
     assert acceptance([]) == {"acceptance_by_depth": [], "accepted_histogram": [0]}
+    # as deep as the most accepted when that is past max_depth (a row without a tree's depth)
+    assert acceptance([1, 3], max_depth=2) == {
+        "acceptance_by_depth": [1.0, 0.5, 0.5], "accepted_histogram": [0, 1, 0, 1]
+    }  # fmt: skip
     # summarize: over all generations of a row (and per category); records as _play's.
     records = {
         "ar": [("a", [1, 2], 2, 1.0, [0]), ("b", [3], 1, 1.0, [])],
