@@ -5,6 +5,7 @@ bandwidth table, time caps, missing model / questions / drafter trees) are check
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import signal
@@ -12,8 +13,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from infer.device_bench import main
@@ -169,6 +172,8 @@ def test_rows_of_the_shipped_drafters_and_what_is_missing(tmp_path):
     assert default["lookup"]["tree"] and "skipped" not in default["lookup"]  # no folder needed
     dynamic = [row["row"] for row in groups[DYNAMIC]]  # the drafters that fill dynamic trees
     assert dynamic == [f"{m}@{DYNAMIC}" for m in ("medusa", "firp", "chimera", "eagle")]
+    plain = [row["row"] for row in groups[PLAIN]]  # the default rows with a tree
+    assert plain == [m for m in default if m != "ppd"]
     lookup = groups[SEARCHED].pop(5)
     assert lookup == {"row": f"lookup@{LOOKUP_32}", "tree": LOOKUP_32}
     assert tree_preset(LOOKUP_32).n_nodes == 33
@@ -179,12 +184,24 @@ def test_rows_of_the_shipped_drafters_and_what_is_missing(tmp_path):
         open_model(tmp_path / "no-model")
     with pytest.raises(Skip, match="no Spec-Bench file"):
         spec_bench_subset(tmp_path / "none.jsonl", 20, tmp_path / "subset.jsonl")
+    full = tmp_path / "spec.jsonl"  # the campaign asks first turns only
+    lines = [
+        {"question_id": i, "category": c, "turns": [f"w{i}", "w9"]} for i, c in enumerate("aab")
+    ]
+    full.write_text("\n".join(json.dumps(q) for q in lines) + "\n")
+    subset, ids = spec_bench_subset(full, 2, tmp_path / "subset.jsonl")
+    assert ids == ["0", "2"] and [json.loads(t) for t in subset.read_text().splitlines()] == [
+        {"question_id": "0", "category": "a", "turns": ["w0"]},
+        {"question_id": "2", "category": "b", "turns": ["w2"]},
+    ]
 
 
 def test_questions_are_taken_in_turn_from_each_category():
     qs = [Question(f"{c}{i}", c, ("t",)) for c in "abc" for i in range(3)]
     assert [q.id for q in balanced(qs, 5)] == ["a0", "b0", "c0", "a1", "b1"]
     assert len(balanced(qs, 20)) == 9
+    uneven = [*qs[:3], qs[3]]  # a0 a1 a2 b0
+    assert [q.id for q in balanced(uneven, 4)] == ["a0", "b0", "a1", "a2"]
 
 
 def test_bad_output_name_is_one_line(tmp_path, capsys):
@@ -221,19 +238,28 @@ def test_every_question_set_is_sized_for_the_longest_prompt_of_all(tmp_path, mon
     words = " ".join(f"w{i}" for i in range(5, 65))
     long.write_text(json.dumps({"question_id": 0, "category": "a", "turns": [words]}) + "\n")
     short = end_to_end.made_up_questions(tmp_path / "short.jsonl", 1)
-    calls = []
+    calls, rows = [], []
+    stats = {"tokens_per_s": 2.0, "match_ar": 0.5, "reference": "ar", "divergences": ["d"]}
 
     def bench(rows, questions, **kw):
-        calls.append((questions, kw["min_prompt_len"], kw["one_shape"]))
-        return {"n_questions": 1, "methods": {}}
+        calls.append((questions, kw["min_prompt_len"], kw["one_shape"], kw["products"]))
+        return {"n_questions": 1, "methods": {"ar": stats}}
+
+    def gone():
+        raise Skip("no such set here")
 
     monkeypatch.setattr(end_to_end, "run_benchmark", bench)
-    sets = [(name, lambda q=q: (q, None, {}), ()) for name, q in (("short", short), ("long", long))]
+    sets = [("short", lambda: (short, None, {}), ()), ("long", lambda: (long, None, {}), (PLAIN,)),
+            ("gone", gone, ())]  # fmt: skip
     record = {}
-    end_to_end.default_model_rows(lambda row: None, record, checkpoint, sets, {}, (), 8, DTYPE)
+    end_to_end.default_model_rows(rows.append, record, checkpoint, sets, {}, (), 8, DTYPE)
     assert record["prompt_room"] >= 60
-    room = record["prompt_room"]
-    assert calls == [(str(short), room, True), (str(long), room, True)]
+    room = record["prompt_room"]  # PLAIN: one bfloat16 pass everywhere; others the default
+    assert calls == [(str(short), room, True, None), (str(long), room, True, "plain")]
+    kept = {"tokens_per_s": 2.0, "match_ar": 0.5, "divergences": ["d"]}  # where rows leave AR's
+    assert rows == [{"set": "gone", "row": "every row", "skipped": "no such set here"},
+                    {"set": "short", "group": "ar alone", "row": "ar", "tree": "", **kept},
+                    {"set": "long", "group": PLAIN, "row": "ar", "tree": "", **kept}]  # fmt: skip
 
 
 def test_training_keeps_its_compiled_programs_where_compiles_are_slow(monkeypatch):
@@ -312,3 +338,249 @@ def test_groups_run_only_the_chosen_groups_of_the_default_model(tmp_path, monkey
     err = one_line_error(main, ["--dry-run", "--parts", "ar", "--groups", "default", "--out",
                                 bad_out], capsys)  # fmt: skip
     assert "add it to --parts" in err
+
+
+class FakeClock:
+    """time.perf_counter for the campaign: parts spend what they say, nothing else."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_each_part_gets_its_share_plus_what_the_parts_before_it_left(tmp_path, monkeypatch, capsys):
+    """Part i may run until its share of the budget (over the chosen parts' shares), added
+    to the shares before it, is spent; its record says how it ended: rows measured then
+    the cap (partial), the cap or only skipped rows (skipped), an error (failed, and the
+    command exits 2 naming it)."""
+    from jaxspec.device_bench import campaign
+
+    clock = FakeClock()
+    monkeypatch.setattr(campaign, "time", clock)
+
+    def part(spend, rows=(), then=None):
+        def run(self, record, add):
+            clock.now += spend
+            for row in rows:
+                add(row)
+            if then is not None:
+                raise then
+
+        return run
+
+    monkeypatch.setattr(campaign.Campaign, "_ar", part(10, [{"batch": 1}], TimeCap("cap")))
+    monkeypatch.setattr(campaign.Campaign, "_verify", part(60, [{"nodes": 1, "skipped": "x"}]))
+    monkeypatch.setattr(campaign.Campaign, "_prefill", part(0, [], TimeCap("cap")))
+    monkeypatch.setattr(campaign.Campaign, "_verify_wide", part(5, [], ValueError("bad\nshape")))
+    shares = {name: PARTS[name].share for name in ("ar", "verify", "prefill", "verify_wide")}
+    total = sum(shares.values())
+    result = run_campaign(tmp_path / "a.json", budget_s=1000.0, parts=tuple(shares))
+    until = [sum(list(shares.values())[: i + 1]) / total * 1000 for i in range(4)]
+    spent = [0, 10, 70, 70]  # before each part
+    got = result["parts"]
+    assert [got[name]["cap_s"] for name in shares] == [
+        round(u - s, 1) for u, s in zip(until, spent, strict=True)
+    ]
+    assert result["budget_s"] == 1000.0 and result["elapsed_s"] == 75.0
+    assert [got[name]["status"] for name in shares] == ["partial", "skipped", "skipped", "failed"]
+    assert got["verify_wide"]["reason"] == "ValueError: bad shape"
+    assert "ValueError" in got["verify_wide"]["traceback"]
+    assert run_campaign(tmp_path / "b.json", parts=("prefill",))["budget_s"] == 450.0
+    assert run_campaign(tmp_path / "c.json", dry_run=True, parts=("prefill",))["budget_s"] == 600.0
+    argv = ["--dry-run", "--parts", "verify_wide", "--out", str(tmp_path / "d.json")]
+    assert "parts failed: verify_wide" in one_line_error(main, argv, capsys)
+
+
+def test_ar_and_verify_rows_against_the_floor_and_the_ar_step(monkeypatch):
+    """An AR row: tokens/s of all its batch's rows, its floor every bfloat16 weight and each
+    row's float32 keys and values (context plus half the steps) read once at the
+    bandwidth; verify rows in tree size order, each over the 1-node step."""
+    from jaxspec.device_bench import shapes
+    from jaxspec.kv_cache import init_cache
+
+    cfg = preset("tiny-gqa")
+    ms = {(1, 1): 2.0, (1, 4): 4.0, (2, 1): 3.0, (8, 1): 5.0}  # (nodes, batch) -> ms
+    monkeypatch.setattr(shapes, "time_steps", lambda cfg, params, dtype, tree, batch, *a: {
+        "ms_per_step": ms[(tree.n_nodes, batch)], "first_s": 1.0})  # fmt: skip
+    rows = []
+    shapes.ar_rows(rows.append, cfg, None, jnp.bfloat16, (1, 4), 10, 4, 100.0, ("exact",))
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4  # bytes per position and row
+    for row, batch in zip(rows, (1, 4), strict=True):
+        floor = (cfg.n_params * 2 + kv * 12 * batch) / 100e9 * 1e3
+        assert row["floor_ms"] == pytest.approx(floor)
+        assert row["fraction_of_floor"] == pytest.approx(floor / ms[(1, batch)])
+        assert row["tokens_per_s"] == pytest.approx(batch * 1e3 / ms[(1, batch)])
+    cache = init_cache(cfg, 3, 7)  # what cache_bytes counts
+    held = sum(b.nbytes for b in (*cache.keys, *cache.values))
+    assert shapes.cache_bytes(cfg, 3, 7) == held == kv * 7 * 3
+    rows.clear()
+    shapes.verify_rows(rows.append, cfg, None, jnp.bfloat16, (8, 1, 2), 10, 4)
+    assert [(r["nodes"], r["tree"], r["over_ar_step"]) for r in rows] == [
+        (1, "ar", 1.0), (2, "chain-1", 1.5), (8, "cpu-8", 2.5)
+    ]  # fmt: skip
+
+
+def test_prefill_takes_the_fastest_run_and_stops_at_the_first_prompt_too_big(monkeypatch):
+    from jaxspec.device_bench import shapes
+
+    runs = iter([0.3, 0.1, 0.2])  # prefill seconds of the repeats: the middle one the fastest
+
+    class Generator:  # SpeculativeGenerator's part that prefill rows use
+        def __init__(self, cfg, params, max_len, products, prefill_chunk):
+            self.prefill_chunk = prefill_chunk or 512
+
+        def generate(self, prompt, n):
+            return SimpleNamespace(prefill_s=next(runs), compile_s=2.0, token_ids=[7])
+
+    monkeypatch.setattr(shapes, "SpeculativeGenerator", Generator)
+    cfg, rows = preset("tiny-gqa"), []
+    assert shapes._prefill_row(rows.append, cfg, None, [5] * 50, "exact", None, 3) is None
+    assert rows == [
+        {"tokens": 50, "products": "exact", "chunk": 512, "ms": pytest.approx(100.0),
+         "tokens_per_s": pytest.approx(500.0), "first_s": 2.3, "first_token": 7}
+    ]  # fmt: skip
+    for error, kept in ((RuntimeError("RESOURCE_EXHAUSTED: 9 GB"), True), (ValueError("x"), False)):
+        Generator.generate = lambda self, prompt, n, error=error: (_ for _ in ()).throw(error)
+        rows.clear()
+        if kept:  # out of memory is a row; anything else an error
+            assert shapes._prefill_row(rows.append, cfg, None, [5] * 50, "exact", 64, 2) == 50
+            assert rows[0]["chunk"] == 64 and "out of memory: RESOURCE" in rows[0]["skipped"]
+        else:
+            with pytest.raises(ValueError):
+                shapes._prefill_row(rows.append, cfg, None, [5] * 50, "exact", 64, 2)
+    calls = []
+
+    def prefill_row(add, cfg, params, prompt, how, chunk, repeats):
+        calls.append((len(prompt), how, chunk))
+        return len(prompt) if len(prompt) >= 64 else None  # 64 tokens and more: no room
+
+    monkeypatch.setattr(shapes, "_prefill_row", prefill_row)
+    for n, measured in ((128, []), (32, [(32, "exact", 16)])):  # chunks of a prompt that fits
+        calls.clear(), rows.clear()
+        shapes.prefill_rows(rows.append, cfg, None, (128, 32, 64), chunks=(n, (16,)))
+        assert calls == [(32, "exact", None), (32, "plain-prefill", None), (64, "exact", None),
+                         *((n, shapes.default_products(), c) for _, _, c in measured)]  # fmt: skip
+        assert [(r["tokens"], r["products"]) for r in rows] == [
+            (64, "plain-prefill"), (128, "exact"), (128, "plain-prefill")
+        ]  # fmt: skip
+        assert all(r["skipped"] == "a 64-token prompt did not fit already" for r in rows)
+
+
+def test_the_wide_slices_ar_step_against_its_floor(tmp_path, monkeypatch):
+    from jaxspec.device_bench import campaign, shapes
+
+    monkeypatch.setattr(shapes, "fits", lambda cfg, dtype: (True, ""))
+    monkeypatch.setattr(shapes, "random_model", lambda cfg, dtype: None)
+    ms = {1: 4.0, 2: 6.0}
+    monkeypatch.setattr(shapes, "verify_rows", lambda add, cfg, params, dtype, nodes, *a: [
+        add({"nodes": n, "ms_per_step": ms[n]}) for n in (1, 2)])  # fmt: skip
+    bench = campaign.Campaign(
+        tmp_path / "w.json", dry_run=True, budget_s=10, parts=(), bandwidth_gbs=50.0,
+        questions=tmp_path, model=None, command="",
+    )  # fmt: skip
+    record, rows = {}, []
+    bench._verify_wide(record, rows.append)
+    s = campaign.DRY
+    cfg = dataclasses.replace(s.wide, n_layers=s.wide_layers)
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4 * (s.context + s.steps / 2)
+    assert record["floor_ms"] == pytest.approx((cfg.n_params * 2 + kv) / 50e9 * 1e3)
+    assert record["fraction_of_floor"] == pytest.approx(record["floor_ms"] / 4.0)
+    assert record["full_floor_ms"] == pytest.approx(s.wide.n_params * 2 / 50e9 * 1e3)
+    assert record["model"]["n_layers"] == s.wide_layers and len(rows) == 2
+
+
+def test_the_markdown_tables_show_every_value_and_put_a_reason_where_values_are_missing():
+    from jaxspec.device_bench.report import markdown, table
+
+    measured = {"nodes": 1, "tree": "ar", "depth": 0, "ms_per_step": 2.0, "over_ar_step": 1.0}
+    assert table("verify", [measured, {"nodes": 8, "tree": "cpu-8", "skipped": "oom"}]) == [
+        "| nodes | tree | depth | ms / step | x AR step |",
+        "|---|---|---|---|---|",
+        "| 1 | ar | 0 | 2.00 | 1.00 |",
+        "| 8 | cpu-8 | skipped: oom |  |  |",
+    ]
+    result = {
+        "device": {"kind": "cpu", "platform": "cpu", "count": 1, "driver": None,
+                   "driver_source": "no nvidia-smi", "bandwidth_gbs": None,
+                   "bandwidth_source": "not in the table"},
+        "software": {"jax": "1", "jaxlib": "1", "python": "3", "jaxspec_commit": None},
+        "dry_run": False, "date": "today", "command": "c", "dtype": "bfloat16",
+        "elapsed_s": 3.0, "budget_s": 450.0,
+        "compile_cache": {"dir": "/c", "hits": 2, "requests": 5, "saved_s": 9.0},
+        "parts": {"ar": {"title": "AR", "status": "ok", "cap_s": 45.0, "seconds": 3.0,
+                         "model": {"name": "m", "dim": 8, "n_layers": 2, "n_heads": 2,
+                                   "n_kv_heads": 1, "ffn_dim": 16, "vocab_size": 10,
+                                   "n_params": 1.5e9}, "rows": []}},
+    }  # fmt: skip
+    md = markdown(result)
+    assert "2 of 5 compiles loaded from it (9 s saved)" in md
+    assert "- Model: m: D 8, 2 layers, 2 heads, 1 kv heads, F 16, V 10, 1.50B params." in md
+    assert "- Status: ok; 3 s of a 45 s cap." in md
+
+
+def test_row_0_is_compared_with_itself_computed_alone(monkeypatch):
+    """numerics: row 0 computed among n rows against alone, so a program whose rows depend
+    on each other shows it (here one made up to add (n - 1) / 2 to every number)."""
+    from jaxspec.device_bench import numerics
+
+    rows = []
+    numerics.compare(
+        rows.append, "w", "c", 2, [[1.0, 2.0]], [[1.0, float(jnp.nextafter(2.0, 3.0))]]
+    )
+    assert not rows[0]["row0_same_bits"] and 0 < rows[0]["row0_max_diff"] < 1e-6
+
+    def run_compiled(fn, args, options):  # rows from args[0] (products) or args[1] (model)
+        n = args[0].shape[0] if fn is numerics.dense else args[1].shape[1]
+        shape = (n, 4) if fn is numerics.dense else (1, 4)
+        return jnp.full(shape, (n - 1) / 2)
+
+    monkeypatch.setattr(numerics, "run_compiled", run_compiled)
+    monkeypatch.setattr(numerics, "random_model", lambda cfg, dtype: None)  # values unused
+    rows.clear()
+    numerics.product_rows(rows.append, 8, 4, (1, 3))
+    numerics.model_rows(rows.append, preset("tiny-gqa"), 4, (1, 3))
+    got = {(r["what"], r["compile"], r["rows"]): r["row0_max_diff"] for r in rows}
+    assert got == {(w, c, n): (n - 1) / 2 for w in ("products", "2-layer model")
+                   for c in ("xla defaults", "exact rounding") for n in (1, 3)}  # fmt: skip
+
+
+def test_a_step_is_the_timed_steps_time_over_their_number(monkeypatch):
+    """time_steps: compile and 3 warm-up steps apart, then `steps` steps back to back, each
+    (here) 2 ms on a made-up clock."""
+    from jaxspec.device_bench import shapes
+    from jaxspec.tree import TreeSpec
+
+    clock = FakeClock()
+
+    class Step:  # speculative_step, lowered and compiled
+        def lower(self, *args, **static):
+            return self
+
+        def compile(self, options):
+            clock.now += 1.0
+            return self
+
+        def __call__(self, params, drafter_params, cache, token, candidates, key, state):
+            clock.now += 0.002
+            return None, 1, token, candidates, None, state
+
+    monkeypatch.setattr(shapes, "time", clock)
+    monkeypatch.setattr(shapes, "speculative_step", Step())
+    monkeypatch.setattr(shapes, "commit", lambda cache, block, n: cache)
+    timed = shapes.time_steps(preset("tiny-gqa"), None, jnp.bfloat16, TreeSpec(()), 2, 8, 5)
+    assert timed == {"ms_per_step": pytest.approx(2.0), "first_s": pytest.approx(1.006)}
+
+
+def test_the_commit_says_when_the_work_tree_differs(monkeypatch):
+    from jaxspec.device_bench import device
+
+    for status, commit in (("", "abc1234"), (" M jaxspec/bench.py\n", "abc1234+changes")):
+        outputs = {"rev-parse": "abc1234\n", "status": status}
+
+        def run(argv, outputs=outputs, **kw):
+            return SimpleNamespace(returncode=0, stdout=outputs[argv[1]])
+
+        monkeypatch.setattr(device, "subprocess", SimpleNamespace(run=run))
+        assert device.source_commit() == commit
