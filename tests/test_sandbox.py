@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxspec import sandbox
 from jaxspec.sandbox import network_isolated, run_untrusted
 
 SPAWN = 'import subprocess\nprint(subprocess.Popen(["sleep", "60"]{}).pid, flush=True)\n'
@@ -61,6 +62,32 @@ def test_home_and_cwd_are_a_fresh_temp_dir_removed_afterwards():
     assert Path(cwd).parent == Path(tempfile.gettempdir()).resolve()
     assert not Path(cwd).exists()
     assert json.loads(run_untrusted(source).stdout_tail)[0] != cwd
+
+
+def test_the_program_runs_under_the_limits_asked_for_and_its_outputs_tails_come_back():
+    source = (
+        "import resource, sys\nR = resource\nsys.stdout.write('o' * 5000 + 'END\\n')\n"
+        "print([R.getrlimit(getattr(R, 'RLIMIT_' + n))[1] "
+        "for n in ('CPU', 'AS', 'FSIZE', 'NPROC', 'CORE')])\nsys.stderr.write('e' * 5000 + 'ERR')\n"
+    )
+    result = run_untrusted(source, cpu_s=2.5, memory_mb=300, file_mb=3, max_processes=20)
+    limits = [3, 300 << 20, 3 << 20, 20, 0]  # whole CPU seconds, rounded up
+    assert result.stdout_tail == ("o" * 5000 + f"END\n{limits}\n")[-4096:]
+    assert result.stderr_tail == ("e" * 5000 + "ERR")[-4096:]
+
+
+def test_a_lower_hard_limit_of_the_parent_is_kept():
+    """A parent whose hard limit is below the one asked for (ulimit -H) still runs programs,
+    under its own limit."""
+    code = (
+        "import resource, runpy\nresource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        f"sandbox = runpy.run_path({str(Path(sandbox.__file__))!r}, run_name='sandbox')\n"
+        "r = sandbox['run_untrusted']('import resource\\n"
+        "print(resource.getrlimit(resource.RLIMIT_FSIZE))\\n', file_mb=16)\n"
+        "print(r.returncode, r.stdout_tail.strip())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout == f"0 {(1 << 20, 1 << 20)}\n", done.stderr
 
 
 def test_a_busy_loop_is_killed_at_the_cpu_limit():
@@ -127,6 +154,19 @@ def test_no_descendant_outlives_the_run(own_session, ending):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_the_process_group_is_killed_even_without_a_network_namespace(monkeypatch):
+    """Where no namespace can be made, killing the program's process group is all that ends
+    its descendants (those in a session of their own survive, as the module says)."""
+    kill_all = sandbox._kill_all
+    monkeypatch.setattr(sandbox, "_kill_all", lambda pgid, netns: kill_all(pgid, ""))
+    pid = int(run_untrusted(SPAWN.format("")).stdout_tail)
+    try:
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_the_network_is_unreachable_even_on_loopback():
     if not _namespaces_allowed():
         pytest.skip("no process may unshare a network namespace here: the network stays")
@@ -142,8 +182,14 @@ def test_the_network_is_unreachable_even_on_loopback():
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops privileges only from root")
 def test_root_runs_the_program_as_nobody_who_cannot_write_roots_files(tmp_path):
     target = tmp_path / "written"
-    source = f"import os\nprint(os.getuid(), flush=True)\nopen({str(target)!r}, 'w')\n"
+    source = (
+        "import os, re\nstatus = open('/proc/self/status').read()\n"
+        "print(os.getuid(), os.getgid(), os.getgroups(), *re.findall("
+        "r'(?:NoNewPrivs|CapAmb|CapEff):\\s*(\\w+)', status), flush=True)\n"
+        f"open({str(target)!r}, 'w')\n"
+    )
     result = run_untrusted(source)
-    assert result.stdout_tail == "65534\n"
+    # nobody, group nobody and no other; root's read access alone; no way back to root
+    assert result.stdout_tail == "65534 65534 [] 0000000000000004 0000000000000004 1\n"
     assert result.returncode == 1 and "PermissionError" in result.stderr_tail
     assert not target.exists()
