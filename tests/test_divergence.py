@@ -68,3 +68,15 @@ def test_bench_reports_where_a_greedy_row_leaves_ar(tiny_ckpt, tmp_path, monkeyp
     [d] = changed["divergences"]
     assert (d["generation"], d["position"], d["row_token"]) == (1, 3, d["ar_token"] + 1)
     assert d["ar_margin"] >= 0
+
+
+def test_top2_margin_at_one_width_compiles_once(tiny_ckpt):
+    """Prompts of several buckets at one width (the benchmark's longest row) share one
+    program."""
+    from jaxspec.divergence import _logits_after
+
+    model = load_model(tiny_ckpt[0])
+    before = _logits_after._cache_size()
+    for n in (40, 60, 70):  # buckets 48, 64, 96
+        top2_margin(model, list(range(3, 3 + n)), width=96)
+    assert _logits_after._cache_size() <= before + 1

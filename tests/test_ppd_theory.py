@@ -47,3 +47,5 @@ def test_the_large_ell_forms_follow_from_the_theorem():
 def test_a_layer_below_half_the_depth_is_refused():
     with pytest.raises(JaxspecError, match="d/2 <= d_bar <= d"):
         expected_latency(30, 10, 5, 0.5)
+    with pytest.raises(JaxspecError, match="d/2 <= d_bar <= d"):  # the simulation's too
+        trace_cost(30, 10, [True, False], 1)
