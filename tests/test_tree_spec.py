@@ -1,12 +1,16 @@
 """Tree specs from names and measured accuracy: what dynamic trees accept, and reach
-probabilities for trees deeper or wider than the accuracy measured."""
+probabilities for trees deeper or wider than the accuracy measured; what chains of pseudo
+tokens see after a prompt's last chunk."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.chains import after_prompt
 from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.tree import DynamicTree, TreeSpec, reach_probability, tree_preset
 
 
@@ -26,3 +30,17 @@ def test_a_dynamic_tree_keeps_its_own_depth_and_needs_two_nodes():
         tree_preset("dynamic-1")
     with pytest.raises(JaxspecError, match="needs 2 nodes or more"):
         DynamicTree(8, width=0)
+
+
+def test_chains_after_a_prompt_s_last_chunk_see_what_their_anchor_sees():
+    """Rows of 3 and 5 committed slots (of 6), a last chunk of 2 tokens, chains of 2 steps on
+    anchors (0, 1) and (1, 0): each chain row, step-major, sees its row's committed slots
+    (not the free ones) and the chunk's tokens its anchor sees."""
+    slots, chunk = jnp.zeros((2, 1, 6, 1)), jnp.zeros((2, 1, 2, 1))
+    cache = KVCache((slots,), (slots,), jnp.asarray([3, 5], jnp.int32))
+    anchors = jnp.asarray([[0, 1], [1, 0]])
+    _, _, sees = after_prompt(cache, KVBlock((chunk,), (chunk,)), causal_mask(2, 2), anchors, 2)
+    first, second = [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]
+    row_0 = [first + [1, 0], first + [1, 1]] * 2  # anchor 0, anchor 1; then step 2
+    row_1 = [second + [1, 1], second + [1, 0]] * 2
+    np.testing.assert_array_equal(sees, [row_0, row_1])
