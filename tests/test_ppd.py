@@ -8,13 +8,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
-from jaxspec.llama import compute_params, init_params
-from jaxspec.ppd import PpdGenerator, check_settings
+from jaxspec.kv_cache import init_cache
+from jaxspec.llama import compute_params, init_params, lm_logits
+from jaxspec.ppd import PpdGenerator, _put, check_settings, early_logits, place, stages
 from tests.conftest import tiny_training_args, train_on_made_up_conversations
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (virtual) devices")
@@ -34,6 +36,39 @@ def test_ppd_output_is_greedy(name, k, layer):
     gen = PpdGenerator(cfg, params, k, layer)
     assert gen.generate(prompt, 40).token_ids == ar
     assert any(gen.last_stats.matches)  # sub-processes' states were handed over
+
+
+def test_a_zero_head_is_the_untrained_early_exit():
+    """A head is a ResBlock, h + SiLU(h w + b): zero-initialised, the untrained early exit
+    (no head); its bias counts (w = 0: h + SiLU(b))."""
+    cfg, params = deep_tiny(n_layers=2)
+    h = jax.random.normal(jax.random.key(2), (1, 3, cfg.dim))
+    zero = {"w": jnp.zeros((cfg.dim, cfg.dim)), "b": jnp.zeros(cfg.dim)}
+    untrained = lm_logits(params, cfg, h)
+    np.testing.assert_array_equal(early_logits(params, cfg, None, h), untrained)
+    np.testing.assert_allclose(early_logits(params, cfg, zero, h), untrained, rtol=1e-6)
+    b = jnp.linspace(-1.0, 1.0, cfg.dim)
+    biased = lm_logits(params, cfg, h + jax.nn.silu(b))
+    np.testing.assert_allclose(early_logits(params, cfg, {**zero, "b": b}, h), biased, rtol=1e-5)
+
+
+def test_stages_and_where_the_sub_processes_run():
+    """Each run of model_split devices is a stage; the main stage is the first, the k
+    sub-processes take one each, or share the rest in turn (with a warning) when there are
+    fewer than k + 1."""
+    devices = jax.devices()[:4]
+    assert stages(devices, 1) == devices
+    assert [list(s.devices.flat) for s in stages(devices, 2)] == [devices[:2], devices[2:]]
+    assert [list(s.devices.flat) for s in stages(devices[:3], 2)] == [devices[:2]]
+    assert place(list("abcd"), 3) == ("a", ["b", "c", "d"])
+    for found, k, shared in [("abc", 3, "bcb"), ("a", 2, "aa")]:
+        with pytest.warns(RuntimeWarning, match=f"{k} sub-processes on {len(set(shared))} shared"):
+            assert place(list(found), k) == ("a", list(shared))
+    # On a stage of 2, a cache's keys and values are split by kv heads, its lengths whole.
+    cache = _put(init_cache(deep_tiny()[0], 1, 8), stages(devices[:2], 2)[0])
+    split = P(None, "model", None, None)  # [B,K,S,H]
+    assert cache.keys[0].sharding.spec == cache.values[-1].sharding.spec == split
+    assert cache.lengths.sharding.is_fully_replicated
 
 
 @pytest.mark.parametrize("products", ["plain-prefill", "plain"])
@@ -101,14 +136,25 @@ def test_compilation_is_reported_and_kept_out_of_the_timings(tiny_ckpt, method):
 
 @pytest.mark.parametrize("n_devices", [1, 2])
 def test_fewer_devices_than_k_plus_1_share_them_and_stay_greedy(n_devices):
+    """Also: generate_batch streams each row's tokens (the first included) under the row's
+    index, a row ends at its first end token as AR's would, and the early-exit layer
+    defaults to half the depth, rounded up."""
     cfg, params = deep_tiny()
-    ar = SpeculativeGenerator(cfg, params).generate([5, 6, 7], 16).token_ids
+    prompts = [[5, 6, 7], [3, 1, 4, 1]]
+    ar = SpeculativeGenerator(cfg, params)
+    free = [ar.generate(p, 16).token_ids for p in prompts]  # no end token
+    eos = free[0][9]
     with pytest.warns(
         RuntimeWarning, match=f"3 sub-processes on 1 shared device.*{n_devices} found"
     ):
-        gen = PpdGenerator(cfg, params, 3, 3, devices=jax.devices()[:n_devices])
+        gen = PpdGenerator(dataclasses.replace(cfg, eos_token_ids=(eos,)), params, 3,
+                           devices=jax.devices()[:n_devices])  # fmt: skip
     assert set(gen.subs) == set(jax.devices()[max(n_devices - 1, 0) : n_devices])
-    assert gen.generate([5, 6, 7], 16).token_ids == ar
+    assert gen.layer == 3
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    got = gen.generate_batch(prompts, 16, on_tokens=lambda row, ids: streamed[row].extend(ids))
+    want = [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in free]
+    assert [r.token_ids for r in got] == want == [streamed[0], streamed[1]]
 
 
 def test_a_prompt_bucket_longer_than_the_cache_is_cut_to_it():
