@@ -176,3 +176,16 @@ def test_export_refuses_host_callbacks():
         with pytest.raises(export.NotPortable):
             export.export(with_callback, (jnp.ones(3),), {}, p)
     export.export(jax.jit(lambda x: x + 1), (jnp.ones(3),), {}, "cuda")  # the same, no callback
+
+
+def test_export_refuses_float64_and_reads_no_source_names():
+    """float64 (a host-side value leaked into a program) is refused; a source location's
+    names are not code (a function called f64 exports), and the program is the platform's."""
+    with jax.enable_x64(True), pytest.raises(export.NotPortable, match="holds float64"):
+        export.export(jax.jit(lambda x: x * 2), (jnp.ones(3, jnp.float64),), {}, "cuda")
+
+    def f64(x):
+        return x + 1
+
+    for p in export.ACCELERATORS:
+        assert export.export(jax.jit(f64), (jnp.ones(3),), {}, p).platforms == (p,)

@@ -32,9 +32,14 @@ def tiny(n_kv_heads: int, tie: bool) -> LlamaConfig:
 
 
 CONFIGS = [
-    pytest.param(tiny(kv, tie), id=f"kv{kv}-{'tied' if tie else 'untied'}")
-    for kv in (1, 2, 4)
-    for tie in (False, True)
+    *(
+        pytest.param(tiny(kv, tie), id=f"kv{kv}-{'tied' if tie else 'untied'}")
+        for kv in (1, 2, 4)
+        for tie in (False, True)
+    ),
+    pytest.param(
+        dataclasses.replace(tiny(2, False), qkv_bias=True, qk_norm=True), id="kv2-biases-qk-norms"
+    ),
 ]
 
 
@@ -87,6 +92,7 @@ def test_logical_axes_match_params(cfg):
         "heads": {cfg.n_heads * H},
         "kv_heads": {cfg.n_kv_heads * H},
         "mlp": {cfg.ffn_dim},
+        **({"head_dim": {H}} if cfg.qk_norm else {}),
     }
 
 
@@ -112,7 +118,7 @@ def test_docstring_is_rendered_from_the_table():
     for p in param_table.TABLE:
         assert f'"{p.name}": [' in doc, p.name
     assert '"q_proj": [D, N*H],' in doc
-    assert "absent when tie_embeddings" in doc
+    assert "absent when tie_embeddings" in doc and "only when qk_norm" in doc
 
 
 def test_tying_keeps_the_other_weights_draws():
