@@ -77,6 +77,9 @@ def test_answers_for_more_prompts_reuse_a_smaller_cache(model, tmp_path, generat
     assert len(made) == 3 and not small_prompts & {tuple(p) for p in made}
     for key in ("tokens", "lengths", "starts"):
         np.testing.assert_array_equal(grown[key], fresh[key])
+    generated.clear()  # a finished file is read, not made again
+    again = generate_answers(model, data, 7, tmp_path / "fresh-7.npz", **SETTINGS)
+    assert generated == [] and again["tokens"].tolist() == fresh["tokens"].tolist()
 
 
 def test_a_repeated_prompt_is_answered_once(model, tmp_path, generated):
@@ -134,12 +137,14 @@ def test_answers_in_one_shape_compile_once_and_are_the_same(model, tmp_path, gen
             {"from": "human", "value": " ".join(f"w{j}" for j in rng.integers(5, 101, k))},
             {"from": "gpt", "value": "w5"},
         ]}
-        for i, k in enumerate([2, 4, 7, 11, 16, 23])
+        for i, k in enumerate([23, 2, 16, 4, 11, 7])
     ]  # fmt: skip
     settings = {"prompt_len": 64, "new_tokens": 6, "batch": 4}
     compiles = compiles_counted(monkeypatch)
     bucketed = generate_answers(model, data, 6, tmp_path / "b.npz", one_shape=False, **settings)
     assert len(compiles) >= 2 and [len(call) for call in generated] == [4, 2]
+    lengths = [len(p) for call in generated for p in call]
+    assert lengths == sorted(lengths)  # batched shortest first: less padding, fewer shapes
     compiles.clear(), generated.clear()
     one = generate_answers(model, data, 6, tmp_path / "o.npz", one_shape=True, **settings)
     assert len(compiles) == 1 and [len(call) for call in generated] == [4, 4]
@@ -227,6 +232,9 @@ def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generate
                 (("user", "w5 w6"), ("assistant", "w7 w8"), ("user", "w9"))]  # fmt: skip
     first = first_turn_prompts(tok, talks, 10, 40)
     assert got == [first[0], encode_conversation(tok, messages), first[1]]
+    n = len(first[0])  # a prompt of exactly max_len tokens is kept
+    assert first_turn_prompts(tok, talks[:1], 1, n) == first[:1]
+    assert first_turn_prompts(tok, talks[:1], 1, n - 1) == []
     assert every_turn_prompts(tok, talks, 2, 40) == got[:2]
     assert len(every_turn_prompts(tok, talks, 10, 1000)) == 5  # the long turn and the next
 
@@ -322,6 +330,10 @@ def test_grounded_prompts_hand_back_the_first_reply(model, tmp_path, generated, 
     assert grounded_prompts(tok, talks, 10, 150) == expected
     assert grounded_prompts(tok, talks, 2, 150) == expected[:2]
     assert len(grounded_prompts(tok, talks, 10, 1000)) == 4  # e fits: f and g move on a template
+    edge = text("w36", MIN_TEXT_CHARS // 4) + "7"  # MIN_TEXT_CHARS characters, then one less
+    for reply, kept in ((edge, 1), (edge[:-1], 0)):
+        talk = {"id": "h", "conversations": chat("w12", reply)}
+        assert len(grounded_prompts(tok, [talk], 1, 1000)) == kept
 
     monkeypatch.setattr(features, "sharegpt_split", lambda split: talks)
     data = features.self_answers(model, tmp_path, "train", 3, prompt_len=150, new_tokens=6,
