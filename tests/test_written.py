@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -129,3 +130,25 @@ def test_eagle_trains_on_prompts_the_model_wrote(chatty_ckpt, model, tmp_path, c
     assert "--answers sharegpt trains on ShareGPT's replies to its own prompts" in err
     grounded = [*args[:-4], "--turns", "grounded", "--answers", "sharegpt", "--overwrite"]
     assert "--turns grounded does not use" in one_line_error(main, ["eagle", *grounded], capsys)
+
+
+def test_rows_kept_once_within_max_len_and_giving_up(model, tmp_path, monkeypatch):
+    """Batches of known rows (batch i: a text of exactly --prompt-len tokens templated, one
+    a token longer, a new text twice unless i % 7 == 0, an unclosed row): each closed text
+    is kept once, at most --prompt-len tokens; under one kept prompt a batch after 20
+    batches is an error."""
+    tok, end = model.tokenizer, model.cfg.eos_token_ids[0]
+    words = lambda k: " ".join(["w30"] * k)  # noqa: E731
+    k = next(k for k in range(1, LEN) if len(encode_prompt(tok, words(k))) == LEN)
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+
+    def batch(self, prompts, max_new_tokens, seed=0, *args):
+        new = [] if seed % 7 == 0 else [ids(f"w{20 + seed}") + [end]] * 2
+        rows = [ids(words(k)) + [end], ids(words(k + 1)) + [end], *new, ids("w60")]
+        return [SimpleNamespace(token_ids=r) for r in rows]
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate_batch", batch)
+    got = written_prompts(model, tmp_path / "w.npz", 4, LEN)
+    assert got == [encode_prompt(tok, t) for t in (words(k), "w21", "w22", "w23")]
+    with pytest.raises(JaxspecError, match="closed only 18 usable user turns in 20 batches"):
+        written_prompts(model, tmp_path / "few.npz", 25, LEN)
