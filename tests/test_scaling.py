@@ -4,6 +4,7 @@ nothing is compiled."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -56,6 +57,9 @@ def test_allreduce_and_gather_bytes_by_hand():
     assert allreduce_bytes(SMALL, 4, rows=5) == 7 * 1.5 * 320
     assert logits_gather_bytes(SMALL, 4, rows=5) == 0.75 * 5 * 96 * 4
     assert allreduce_bytes(SMALL, 1, rows=5) == logits_gather_bytes(SMALL, 1, 5) == 0
+    # a step's: all-reduces of 5 rows (ring over 2: 320 bytes each) and the logits gathered
+    s = predict_step(SMALL, ACCELERATORS["h100"], 2, batch=1, tokens=5, context=10)
+    assert s.allreduce_bytes == 7 * 320 and s.comm_bytes == 7 * 320 + 0.5 * 5 * 96 * 4
 
 
 def test_step_time_is_max_of_memory_and_compute_plus_comm():
@@ -69,6 +73,12 @@ def test_step_time_is_max_of_memory_and_compute_plus_comm():
     # split 2 ways, not the embedding or the norms
     per_layer = 16 * 16 + 2 * 16 * 8 + 16 * 16 + 3 * 16 * 40
     assert s.flops == 2 * 3 * 5 * (3 * per_layer + 16 * 96) / 2
+    # tied embeddings: the embedding is the output projection, as many weights multiplied
+    tied = predict_step(dataclasses.replace(SMALL, tie_embeddings=True), acc, 2, 1, 5, 10)
+    assert tied.flops == s.flops
+    # one device: no collectives, nothing to send
+    one = predict_step(SMALL, acc, 1, batch=1, tokens=5, context=10)
+    assert one.collectives == 0 and one.comm_s == 0 and one.seconds == one.memory_s
 
 
 def test_70b_fits_h100_at_tp8_not_tp1():
@@ -76,6 +86,9 @@ def test_70b_fits_h100_at_tp8_not_tp1():
     assert cfg.n_params == 70_553_706_496
     assert not fits(predict_step(cfg, h100, 1, 1, 1, 2048), h100)
     assert fits(predict_step(cfg, h100, 8, 1, 1, 2048), h100)
+    # the cache counts too: 17.6 GB of weights and 2 x 80 layers x [128, 1, 8192, 128]
+    # float32 keys and values (86 GB) a device at TP 8
+    assert not fits(predict_step(cfg, h100, 8, 128, 1, 8192), h100)
 
 
 def test_speedup_sanity():
@@ -87,6 +100,8 @@ def test_speedup_sanity():
 
 
 def test_tp_must_divide_the_split_sizes():
+    with pytest.raises(JaxspecError, match="TP=0: the model axis needs at least 1 device"):
+        weight_bytes(SMALL, 0)
     with pytest.raises(JaxspecError, match="n_kv_heads 8"):
         weight_bytes(preset("llama-3-8b"), 16)
     with pytest.raises(JaxspecError, match="unknown model"):
