@@ -33,20 +33,32 @@ CFG3 = dataclasses.replace(
         ("localhost", 2, 0, "expected HOST:PORT"),
         ("localhost:0", 1, 0, "port 0 is outside 1..65535"),  # it waited forever
         ("localhost:70000", 1, 0, "port 70000 is outside 1..65535"),
+        (":99", 2, 0, "expected HOST:PORT"),
         ("localhost:99", None, 0, "needs --num-processes N and --process-id I"),
+        ("localhost:99", 0, 0, "needs --num-processes N and --process-id I"),
         ("localhost:99", 2, 2, "--process-id 2 is outside 0..1"),
+        ("localhost:99", 2, -1, "--process-id -1 is outside 0..1"),
         ("auto", 2, None, "drop --num-processes"),
     ],
 )
 def test_a_malformed_process_group_is_one_line(coordinator, n, i, message):
     with pytest.raises(JaxspecError, match=message):
-        hosts.check(coordinator, n, i)
+        hosts.start(coordinator, n, i)  # checked before anything starts
 
 
 def test_the_mesh_must_split_over_the_processes():
     assert hosts.local_device_count(6, 3) == 2 and hosts.local_device_count(4, None) == 4
     with pytest.raises(JaxspecError, match="4 devices does not split evenly over 3 processes"):
         hosts.local_device_count(4, 3)
+
+
+def test_a_failure_to_join_is_one_line():
+    """jax's refusal to join a process group (here: its backends already started) comes
+    back as one line naming the coordinator."""
+    jax.devices()
+    refused = r"process group at 127.0.0.1:1234: jax.distributed.initialize\(\) must be called"
+    with pytest.raises(JaxspecError, match=f"could not join the {refused}"):
+        hosts.start("127.0.0.1:1234", 2, 1)
 
 
 def free_port() -> int:
