@@ -25,7 +25,15 @@ from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.retrieval import RetrievalDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params, init_params
-from jaxspec.mesh import Layout, make_mesh, param_specs, parse_mesh, shard_params
+from jaxspec.mesh import (
+    Layout,
+    make_mesh,
+    param_specs,
+    parse_mesh,
+    place,
+    shard_params,
+    table_specs,
+)
 from jaxspec.param_table import param_shapes
 from jaxspec.sampling import Sampling
 from jaxspec.tree import tree_preset
@@ -47,7 +55,8 @@ def test_parse_mesh():
     for bad in ("model=0", "tensor=2", "model=x", "model"):
         with pytest.raises(JaxspecError, match="expected AXIS=N pairs"):
             parse_mesh(bad)
-    assert parse_mesh("data=64,model=64") == {"data": 64, "model": 64}
+    assert parse_mesh(" data=2 , model=4 ,") == {"data": 2, "model": 4}  # as typed
+    assert parse_mesh("data=256,model=256") == {"data": 256, "model": 256}  # 1 << 16: the most
     with pytest.raises(JaxspecError, match="asks for 1000000000000 devices; a mesh holds at"):
         parse_mesh("data=1000000,model=1000000")  # XLA aborted, asked for as many
 
@@ -55,9 +64,15 @@ def test_parse_mesh():
 def test_mesh_sizes_are_checked():
     with pytest.raises(JaxspecError, match="needs 16 devices, 4 found"):
         make_mesh({"data": 4, "model": 4})
+    d = jax.devices()  # the first D*M devices, neighbours along `model`
+    assert make_mesh({"model": 2}).devices.tolist() == [d[:2]]
+    assert make_mesh({"data": 2, "model": 2}).devices.tolist() == [d[:2], d[2:]]
+    assert make_mesh({"data": 2}).devices.tolist() == [d[:1], d[1:2]]
     params = init_params(CFG, jax.random.key(0))
     with pytest.raises(JaxspecError, match="model=4 does not divide n_kv_heads 2 .* 1, 2$"):
         shard_params(params, CFG, make_mesh({"data": 1, "model": 4}))
+    with pytest.raises(JaxspecError, match="model=4 does not divide n_kv_heads 2 .* 1, 2$"):
+        SpeculativeGenerator(CFG, params, mesh="model=4")
 
 
 def test_megatron_layout_comes_from_the_logical_axes():
@@ -69,9 +84,45 @@ def test_megatron_layout_comes_from_the_logical_axes():
         assert layer[name] == P(None, "model"), name  # split by output columns
     for name in ("o_proj", "down_proj"):
         assert layer[name] == P("model", None), name  # split by rows
+    # a drafter's leaf named like a parameter but of another shape (a head over a draft
+    # vocabulary of V + 3 tokens) is replicated; one of the table's shape split by it
+    D, V = CFG.dim, CFG.vocab_size
+    tree = {"lm_head": jax.ShapeDtypeStruct((D, V + 3), jnp.float32),
+            "embed_tokens": jax.ShapeDtypeStruct((V, D), jnp.float32)}  # fmt: skip
+    assert table_specs(CFG, tree) == {"lm_head": P(), "embed_tokens": P("model", None)}
     sharded = shard_params(init_params(CFG, jax.random.key(0)), CFG, make_mesh({"model": 2}))
     q = sharded["layers"][0]["q_proj"]
     assert q.addressable_shards[0].data.shape == (CFG.dim, CFG.n_heads * CFG.head_dim // 2)
+
+
+def test_the_cache_is_split_by_rows_and_kv_heads():
+    """On 2x2 a cache [B,K,S,H] is split by rows over `data` (whole when `data` does not
+    divide the batch) and by kv heads over `model`; its lengths [B] and other row arrays
+    by rows only."""
+    from jaxspec.kv_cache import init_cache
+
+    mesh, K, H = make_mesh({"data": 2, "model": 2}), CFG4.n_kv_heads, CFG4.head_dim
+    for batch, rows in ((2, 1), (3, 3)):
+        layout = Layout(mesh, batch)
+        cache = jax.eval_shape(lambda b=batch: init_cache(CFG4, b, 32))
+        shardings = layout.kv_tree(cache)
+        for x, s in zip(jax.tree.leaves(cache), jax.tree.leaves(shardings), strict=True):
+            want = (rows, K // 2, 32, H) if x.ndim == 4 else (rows,)
+            assert s.shard_shape(x.shape) == want
+        assert layout.rows.shard_shape((batch, 7)) == (rows, 7)
+
+
+def test_a_device_of_a_mesh_needs_its_share_of_a_steps_memory(monkeypatch):
+    """The memory check before a generation counts a step's bytes split over the mesh's 4
+    devices: a quarter of one device's fits where the whole would not."""
+    from jaxspec import decode
+
+    one, split = method_generator("ar"), method_generator("ar", make_mesh({"data": 2, "model": 2}))
+    need = decode.step_bytes(CFG4, one.tree.n_nodes, 2, 64)
+    monkeypatch.setattr(decode, "available_bytes", lambda: (need // 4, "host"))
+    with pytest.raises(JaxspecError, match="needs about"):
+        one.check_memory(2, 64)
+    split.check_memory(2, 64)
 
 
 def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys):
@@ -140,14 +191,16 @@ def method_generator(
     settings=None,
 ) -> SpeculativeGenerator:  # fmt: skip
     """A generator of `method` with random drafter weights (losslessness does not depend
-    on their quality) on `cfg`, on `mesh` or one device; retrieval: lookup's continuations
-    joining its dynamic tree; settings: the drafter's (default: the export tests')."""
+    on their quality) on `cfg`, on `mesh` (AR: given only params placed on it) or one
+    device; retrieval: lookup's continuations joining its dynamic tree; settings: the
+    drafter's (default: the export tests')."""
     from jaxspec.methods import make_drafter
     from tests.test_export import DATA, SETTINGS
 
     params = base_params(cfg) if params is None else params
-    if method == "ar":
-        return SpeculativeGenerator(cfg, params, sampling=sampling, mesh=mesh)
+    if method == "ar":  # params already on the mesh: the generator decodes on theirs
+        params = params if mesh is None else place(params, table_specs(cfg, params), mesh)
+        return SpeculativeGenerator(cfg, params, sampling=sampling)
     settings = settings or SETTINGS[method]
     drafter = make_drafter(method, cfg, settings)
     weights = drafter.init(base_params(cfg), jax.random.key(1))
@@ -267,9 +320,9 @@ def test_tree_rejection_sampling_on_a_mesh_preserves_the_distribution():
     )
 
 
-def collectives(program, args, static) -> list[tuple[str, tuple[int, ...]]]:
+def collectives(compiled) -> list[tuple[str, tuple[int, ...]]]:
     """(kind, result shape) of every collective in the compiled program."""
-    text = program.lower(*args, **static).compile().as_text()
+    text = compiled.as_text()
     found = re.findall(r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|"
                        r"collective-permute|reduce-scatter)\(", text)  # fmt: skip
     return [(kind, tuple(int(d) for d in dims.split(",") if d)) for dims, kind in found]
@@ -280,7 +333,9 @@ def test_no_weight_is_gathered_on_the_hot_path(method):
     """The compiled programs on a 2x2 mesh (bfloat16 weights as decoding holds them) sum
     the split layers' outputs (all-reduce) and gather activations (logits, top-k partials)
     but never a weight matrix, and shuffle no activations between devices (permutes only
-    of a few per-row counters: rows stay on their `data` device)."""
+    of a few per-row counters: rows stay on their `data` device). Their results come back
+    where the next program reads them: new keys and values [B,K,T,H] split by rows and kv
+    heads, what the host reads after a step whole on every device (every process)."""
     params = compute_params(base_params(), jnp.bfloat16)
     gen = method_generator(method, make_mesh({"data": 2, "model": 2}), params=params)
     weights = {s for s in jax.tree.leaves(param_shapes(CFG4), is_leaf=lambda x:
@@ -289,7 +344,14 @@ def test_no_weight_is_gathered_on_the_hot_path(method):
     plan = gen.lowerings(*gen.example_inputs(2, 16, 64))
     assert set(plan) >= {"prefill", "step", "commit_prompt", "commit_path"}
     for name, (program, args, static) in plan.items():
-        found = collectives(program, args, static)
+        compiled = program.lower(*args, **static).compile()
+        found = collectives(compiled)
+        outs = compiled.output_shardings
+        if name in ("prefill", "step"):  # (..., block, state): prefill's rows, step's host
+            block = jax.tree.leaves(outs[-2])
+            assert block and all(s.spec == P("data", "model", None, None) for s in block)
+        if name == "step":
+            assert all(s.is_fully_replicated for s in jax.tree.leaves(outs[:3])), outs[:3]
         kinds = Counter(kind for kind, _ in found)
         if name in ("prefill", "step"):  # attention's and the MLP's sums in every layer
             assert kinds["all-reduce"] >= 2 * CFG4.n_layers, (name, kinds)
@@ -370,13 +432,40 @@ def test_sharded_loading_reads_only_each_devices_slices(tmp_path, monkeypatch):
     whole = flatten_params(load_model(tmp_path).params)
     real_open = checkpoint.safe_open
     monkeypatch.setattr(checkpoint, "safe_open", CountingFile)
-    split = flatten_params(load_model(tmp_path, mesh=make_mesh({"data": 2, "model": 2})).params)
+    mesh = make_mesh({"data": 2, "model": 2})
+    loaded = load_model(tmp_path, mesh=mesh)
+    assert loaded.mesh is mesh  # decoding (Generator) splits on it
+    split = flatten_params(loaded.params)
     for name, w in whole.items():
         np.testing.assert_array_equal(np.asarray(split[name]), np.asarray(w))
     for name, shape, _ in reads:
         held = split[name].addressable_shards[0].data.shape
         assert shape == held and (len(held) == 1 or held[0] * held[1] * 2 == whole[name].size)
     assert sum(n for *_, n in reads) == sum(w.nbytes for w in whole.values())
+
+
+def test_a_sharded_load_casts_and_refuses_a_bad_checkpoint(tmp_path):
+    """load_params_sharded casts each shard to the dtype asked for (bfloat16 on an
+    accelerator by default) and refuses, in one line, weights of another config's shapes
+    or a damaged file."""
+    from jaxspec.checkpoint import WEIGHTS_FILE, load_params, load_params_sharded, save_checkpoint
+
+    mesh = make_mesh({"model": 2})
+    save_checkpoint(tmp_path, CFG, init_params(CFG, jax.random.key(0)))
+    split = load_params_sharded(tmp_path, CFG, mesh, jnp.bfloat16)
+    whole = load_params(tmp_path, CFG, jnp.bfloat16)
+    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(whole), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other = dataclasses.replace(CFG, ffn_dim=2 * CFG.ffn_dim)
+    with pytest.raises(
+        JaxspecError, match=rf"do not match .*gate_proj has shape \({CFG.dim}, {CFG.ffn_dim}\)"
+    ):
+        load_params_sharded(tmp_path, other, mesh)
+    file = tmp_path / WEIGHTS_FILE
+    file.write_bytes(file.read_bytes()[:100])  # cut short
+    with pytest.raises(JaxspecError, match="corrupt or unreadable weights"):
+        load_params_sharded(tmp_path, CFG, mesh)
 
 
 def test_an_hf_folder_goes_to_its_shards_from_host_memory(tmp_path, monkeypatch):
@@ -403,7 +492,9 @@ def test_an_hf_folder_goes_to_its_shards_from_host_memory(tmp_path, monkeypatch)
         return real_place(tree, specs, mesh)
 
     monkeypatch.setattr(mesh_module, "place", place)
-    split = flatten_params(load_model(tmp_path, mesh=make_mesh({"data": 1, "model": 2})).params)
+    loaded = load_model(tmp_path, mesh="data=1,model=2")
+    assert loaded.mesh.shape == {"data": 1, "model": 2}  # decoding (Generator) splits on it
+    split = flatten_params(loaded.params)
     assert len(placed) == len(whole) and set(placed) == {np.ndarray}
     for name, w in whole.items():
         np.testing.assert_array_equal(np.asarray(split[name]), np.asarray(w))
