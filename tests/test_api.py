@@ -25,6 +25,7 @@ from jaxspec.drafters.medusa import MedusaSettings
 from jaxspec.drafters.sdsat import SdsatSettings
 from jaxspec.drafters.store import save_drafter
 from jaxspec.ppd import PpdSettings
+from jaxspec.text import TextStream
 from tests.conftest import save_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,6 +184,28 @@ def test_stream_pieces_join_to_the_generated_text(method, generators, reference)
         list(gen.stream(PROMPT, seed=-1))
 
 
+def test_text_leaves_special_tokens_out(generators):
+    """The prompt "w47" leads the tiny model to <unk> and then to EOS (which ends the
+    answer): the text, whole or streamed, is the words around them."""
+    out = generators["ar"].generate("w47", max_new_tokens=40)
+    assert out.token_ids[-1] == 2 and 0 in out.token_ids  # </s> and <unk>
+    assert all(t in (0, 2) or t >= 5 for t in out.token_ids)
+    words = " ".join(f"w{t}" for t in out.token_ids if t >= 5)
+    stream = generators["ar"].stream("w47", max_new_tokens=40)
+    pieces = list(stream)
+    assert all(pieces)  # <unk> and </s> add no text, and no empty piece
+    assert out.text == "".join(pieces) == stream.result.text == words
+
+
+def test_a_character_split_over_tokens_streams_whole():
+    class Bytes:  # one token per UTF-8 byte
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    text = TextStream(Bytes())
+    assert [text.push(list(b)) for b in (b"a\xe2", b"\x82", b"\xac b")] == ["", "", "a\u20ac b"]
+
+
 def test_a_stream_left_early_stops_its_decoding(generators, monkeypatch):
     """close() (from this thread or another), a `with` block's end and a `break` that drops
     the stream each stop the decoding thread within a few steps, not after max_new_tokens."""
@@ -237,13 +260,18 @@ def test_sampling_is_per_call_and_seeded(generators, reference):
     gen = generators["medusa"]
     sample = dict(max_new_tokens=N, temperature=1.0, top_p=0.9)
     first = gen.generate(PROMPT, **sample, seed=0).token_ids
-    assert gen.generate(PROMPT, **sample, seed=0).token_ids == first
-    others = {tuple(gen.generate(PROMPT, **sample, seed=s).token_ids) for s in (1, 2)}
-    assert others != {tuple(first)}  # another seed, other tokens
+    again = gen.generate(PROMPT, **sample, seed=0)
+    assert again.token_ids == first and again.compile_s == 0  # its programs kept
+    other = next(s for s in (1, 2) if gen.generate(PROMPT, **sample, seed=s).token_ids != first)
+    # a stream samples as generate does, seed and all
+    stream = gen.stream(PROMPT, **sample, seed=other)
+    assert "".join(stream) == gen.generate(PROMPT, **sample, seed=other).text
     # top_k=1 keeps only the likeliest token: sampling it is greedy decoding
     assert gen.generate(PROMPT, N, temperature=1.0, top_k=1, seed=3).token_ids == (
         reference.token_ids
     )
+    stream = gen.stream(PROMPT, N, temperature=1.0, top_k=1, seed=3)
+    assert "".join(stream) == reference.text
     assert gen.generate(PROMPT, N).token_ids == reference.token_ids  # greedy again after
 
 
@@ -259,11 +287,14 @@ def test_sampling_is_per_call_and_seeded(generators, reference):
         ({"seed": 2**32}, "seed"),
         ({"seed": 1.5}, "seed"),
         ({"seed": True}, "seed"),
+        ({"typical": True}, "--typical needs sampling"),
     ],
 )
 def test_bad_sampling_settings_are_refused(settings, message, generators):
     with pytest.raises(jaxspec.JaxspecError, match=message):
         generators["ar"].generate(PROMPT, N, **settings)
+    with pytest.raises(jaxspec.JaxspecError, match=message):
+        generators["ar"].stream(PROMPT, N, **settings)
 
 
 def test_ppd_refuses_sampling(generators):
@@ -326,6 +357,19 @@ def test_method_options_out_of_range_are_refused_not_ignored(model, method, opti
     """(ppd_k 0 once fell back to the default k; retrieval -1 reached top_k inside jit.)"""
     with pytest.raises(jaxspec.JaxspecError, match=re.escape(message)):
         jaxspec.Generator(model, method, **option)
+
+
+def test_ppd_without_a_head_exits_at_half_the_depth_rounded_up(tmp_path):
+    """Layer 2 of 3 (the tiny model's 2 layers cannot tell ceil from floor)."""
+    hf_dir, _ = save_tiny(tmp_path, n_layers=3)
+    model = jaxspec.load_model(hf_dir, dtype="float32")
+    assert jaxspec.Generator(model, "ppd")._decoder(jaxspec.Sampling()).layer == 2
+
+
+def test_ppd_refuses_a_mesh_of_several_sequences(tiny_ckpt):
+    model = jaxspec.load_model(tiny_ckpt[0], mesh="data=2,model=1")
+    with pytest.raises(jaxspec.JaxspecError, match="ppd pipelines one sequence at a time"):
+        jaxspec.Generator(model, "ppd")
 
 
 def test_load_model_from_an_hf_folder_matches_the_checkpoint(tmp_path, reference):

@@ -14,7 +14,7 @@ from jaxspec import sampling
 from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import bucket
+from jaxspec.generate import GenerationResult, bucket, cache_len, checked_max_len
 from jaxspec.sampling import Sampling, position_keys, select_tokens, warped_logprobs
 
 
@@ -97,19 +97,29 @@ def test_bad_lengths_are_clear_errors(tiny):
         gen.generate([4], 0)
     with pytest.raises(JaxspecError, match=f"outside the model's context of {cfg.max_position}"):
         SpeculativeGenerator(cfg, params, max_len=cfg.max_position + 1)
+    with pytest.raises(JaxspecError, match="--max-len 0 is outside"):
+        checked_max_len(0, cfg.max_position)
+
+
+def test_a_request_that_fills_the_cache_exactly_fits():
+    """3 prompt tokens + 507 new + 2 slots are the 512 positions: they fit, one more does
+    not; the cache is the request's bucket, cut to the limit."""
+    assert cache_len(3, 507, 2, 512) == 512
+    with pytest.raises(JaxspecError, match="need 513 positions"):
+        cache_len(3, 508, 2, 512)
+    assert cache_len(3, 10, 2, 512) == 128  # the smallest cache
+    assert cache_len(3, 100, 2, 110) == 110  # bucket 128, past the limit
+
+
+def test_rates_leave_compilation_out():
+    r = GenerationResult([1], [5, 6, 7, 8, 9, 10], steps=3, prefill_s=0.5, decode_s=1.0,
+                         compile_s=7.0)  # fmt: skip
+    assert (r.new_tokens, r.mean_accepted, r.tokens_per_s) == (6, 2.0, 4.0)
 
 
 def test_bucket():
-    assert [bucket(n, 16) for n in (1, 16, 17, 25, 33, 49, 100, 200)] == [
-        16,
-        16,
-        24,
-        32,
-        48,
-        64,
-        128,
-        256,
-    ]
+    sizes = (1, 16, 17, 24, 25, 33, 48, 49, 100, 200)
+    assert [bucket(n, 16) for n in sizes] == [16, 16, 24, 24, 32, 48, 48, 64, 128, 256]
 
 
 def test_sampling_is_reproducible(tiny):
@@ -193,6 +203,10 @@ def test_top_k_keeps_exactly_k_tokens_lower_ids_first_among_equals():
     for top_p in (1.0, 0.99):
         probs = np.exp(np.asarray(warped_logprobs(logits, Sampling(1.0, 2, top_p))))[0]
         np.testing.assert_allclose(probs, [0, 0.5, 0.5, 0, 0], atol=1e-6)
+    # top_p 1 is no nucleus: a kept token whose mass float32 rounds away (e^-30) still stays
+    far = np.asarray(warped_logprobs(jnp.array([[0.0, -30.0, -40.0]]), Sampling(1.0, 2)))[0]
+    np.testing.assert_allclose(far[:2], [0.0, -30.0], atol=1e-4)
+    assert far[2] < -1e30
 
 
 def test_sampled_frequencies_follow_the_warped_distribution():
@@ -210,8 +224,21 @@ def test_sampled_frequencies_follow_the_warped_distribution():
     assert chisquare(counts, probs[support] * n).pvalue > 1e-3
 
 
+def test_rows_sampling_one_position_draw_apart():
+    """A batch's rows at the same position get their own keys: 64 draws from a uniform
+    distribution over 101 tokens, not one draw repeated."""
+    keys = position_keys(jax.random.key(0), jnp.full(64, 7))
+    draws = select_tokens(jnp.zeros((64, 101)), keys, Sampling(1.0))
+    assert len(set(np.asarray(draws).tolist())) > 20
+
+
 def test_invalid_sampling_settings():
     with pytest.raises(JaxspecError, match="top-p"):
         Sampling(1.0, top_p=0)
     with pytest.raises(JaxspecError, match="temperature"):
         Sampling(-1.0)
+    with pytest.raises(JaxspecError, match="--typical needs sampling"):
+        Sampling(typical=True)
+    Sampling(1.0, top_k=101).check_vocabulary(101)  # every token: no cut, but allowed
+    with pytest.raises(JaxspecError, match="exceeds the vocabulary"):
+        Sampling(1.0, top_k=102).check_vocabulary(101)
