@@ -22,6 +22,7 @@ from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaSettings
 from jaxspec.drafters.sdsat import SdsatSettings
 from jaxspec.drafters.store import META, WEIGHTS, save_drafter
+from jaxspec.errors import JaxspecError
 from jaxspec.ppd import PpdSettings
 from tests.cli_harness import Case, run_case
 
@@ -334,6 +335,7 @@ CASES = [
         nonempty_out,
         keep=("out",),
     ),
+    Case("convert-no-out", "convert", lambda f, c: [c], "--out DIR is required when SRC is given"),
     Case(
         "convert-out-unwritable",
         "convert",
@@ -364,6 +366,16 @@ def test_bad_input(case: Case, tiny_ckpt, tmp_path):
     run_case(case, tmp_path / "case", tiny_ckpt[0])
 
 
+def test_overwrite_lets_a_tool_into_a_folder_holding_files(tmp_path):
+    from jaxspec.outputs import check_output_dir
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(JaxspecError, match="pass --overwrite"):
+        check_output_dir(tmp_path / "out", [tmp_path / "src"])
+    check_output_dir(tmp_path / "out", [tmp_path / "src"], overwrite=True)
+
+
 def test_bench_default_out_takes_a_free_name(tmp_path, monkeypatch):
     """The default FILE never replaces an earlier run's files: it takes the next number."""
     from infer.bench import output_paths
@@ -375,6 +387,22 @@ def test_bench_default_out_takes_a_free_name(tmp_path, monkeypatch):
         Path(f"bench_results-2.{ext}") for ext in ("json", "md", "png")
     )
     assert output_paths(None, True)[0] == Path("bench_results.json")
+
+
+@pytest.mark.parametrize(
+    "raised, code, line",
+    [
+        (JaxspecError("no model at m;\n  convert one"), 2, "error: no model at m; convert one"),
+        (KeyboardInterrupt(), 130, "interrupted"),
+    ],
+)
+def test_a_users_error_is_one_line_and_an_interrupt_exits_130(raised, code, line, capsys):
+    def main(argv):
+        raise raised
+
+    with pytest.raises(SystemExit) as done:
+        run_main(main, [])
+    assert done.value.code == code and capsys.readouterr().err == line + "\n"
 
 
 def test_unexpected_failure_is_one_line(capsys, monkeypatch):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import pytest
@@ -76,6 +80,97 @@ def test_generate_streams_text(tiny_ckpt, capsys):
     assert text.strip() and streamed.startswith(text + "\n")
 
 
+def test_generate_hands_every_flag_to_the_api(monkeypatch, capsys):
+    """Each jaxspec-generate flag reaches load_model, the Generator or each call (stand-ins
+    record them); one prompt streams its pieces, several print a `--- ` line each, with a
+    report on stderr either way."""
+    import infer.generate as cli
+    from jaxspec.generate import GenerationResult
+
+    seen = {}
+
+    def answer(prompt):
+        return GenerationResult([5], [6, 7, 8], 2, 1.0, 2.0, 0.0, text=f"re: {prompt}")
+
+    class Pieces(list):
+        result = None
+
+    class Recording:
+        def __init__(self, model, method, **options):
+            seen.update(model=model, method=method, options=options)
+            self.model = SimpleNamespace(bytes_per_device=lambda: None)
+
+        def generate(self, prompts, max_new_tokens, **sampling):
+            seen["call"] = (prompts, max_new_tokens, sampling)
+            return [answer(p) for p in prompts] if isinstance(prompts, list) else answer(prompts)
+
+        def stream(self, prompt, max_new_tokens, **sampling):
+            seen["call"] = (prompt, max_new_tokens, sampling)
+            pieces = Pieces(["re: ", prompt])
+            pieces.result = answer(prompt)
+            return pieces
+
+    monkeypatch.setattr(cli, "load_model", lambda *args: args)
+    monkeypatch.setattr(cli, "Generator", Recording)
+    capsys.readouterr()
+    cli.main(["--model", "m", "--dtype", "bfloat16", "--method", "medusa", "--drafter", "d",
+              "--tree", "chain-2", "--retrieval", "2", "--max-len", "64", "--products", "exact",
+              "--no-chat", "--max-new-tokens", "3", "--temperature", "0.5", "--top-p", "0.9",
+              "--top-k", "0", "--seed", "9", "--typical", "hi"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert (seen["model"], seen["method"]) == ((Path("m"), "bfloat16", None), "medusa")
+    assert seen["options"] == dict(
+        drafter=Path("d"), tree="chain-2", max_len=64, products="exact", chat=False,
+        ppd_k=None, ppd_layer=None, firp_chains=None, sdsat_loop=None, retrieval=2,
+    )  # fmt: skip
+    sampling = dict(temperature=0.5, top_p=0.9, top_k=0, seed=9, typical=True)
+    assert seen["call"] == ("hi", 3, sampling)
+    assert out == "re: hi\n" and err.startswith("[medusa] 3 tokens in 2 steps (1.50 tokens/step)")
+    cli.main(["--model", "m", "a", "b"])
+    out, err = capsys.readouterr()
+    assert seen["call"][0] == ["a", "b"] and out == "--- re: a\n\n--- re: b\n\n"
+    assert err.startswith("[ar] batch of 2: 6 tokens in 3.0 s (2.0 tokens/s)")
+
+
+def test_argument_types_take_their_range_and_refuse_the_rest():
+    """The flags' types (jaxspec.cli) check a value as it is parsed, at each edge."""
+    from jaxspec import cli
+    from jaxspec.drafters.registry import MAX_PPD_K
+
+    for parse, text, value in [
+        (cli.probability, "1", 1.0), (cli.temperature, "0", 0.0),
+        (cli.positive_float, "1e-9", 1e-9), (cli.nonnegative_float, "0", 0.0),
+        (cli.seed, str(2**32 - 1), 2**32 - 1),
+        (cli.ppd_k, str(MAX_PPD_K), MAX_PPD_K), (cli.nonnegative_int, "0", 0),
+        (cli.positive_int, "1", 1),
+    ]:  # fmt: skip
+        assert parse(text) == value
+    for parse, text in [
+        (cli.probability, "0"), (cli.probability, "1.01"), (cli.probability, "nan"),
+        (cli.temperature, "inf"), (cli.temperature, "-0.1"), (cli.positive_float, "0"),
+        (cli.nonnegative_float, "nan"), (cli.seed, str(2**32)), (cli.seed, "1.5"),
+        (cli.ppd_k, str(MAX_PPD_K + 1)), (cli.positive_int, "0"), (cli.nonnegative_int, "-1"),
+    ]:  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+def test_ppd_asks_for_k_plus_1_devices_of_the_model_split_each(monkeypatch):
+    """(XLA reads the flag when jax starts: later changes, as here, do nothing.)"""
+    from jaxspec.methods import provide_devices_for
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=x")
+    provide_devices_for(["ar", "ppd"], 5, model_split=2)
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=x --xla_force_host_platform_device_count=12"
+    monkeypatch.setenv("XLA_FLAGS", "")
+    provide_devices_for(["ar", "medusa"], 5)  # no pipeline: no devices asked for
+    assert os.environ["XLA_FLAGS"] == ""
+    provide_devices_for(["ppd"])  # the default k, 3
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    provide_devices_for(["ppd"], 7)  # a count already set is the user's
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -102,6 +197,16 @@ def test_unknown_tree_names_the_drafters_own():
         resolve_tree("searched-99", settings)
     with pytest.raises(JaxspecError, match="unknown tree 'searched-99'; known: [^;]*$"):
         resolve_tree("searched-99")
+
+
+def test_convert_if_missing_leaves_a_checkpoint_alone(tiny_ckpt, tmp_path, capsys):
+    from checkpoints_convert.cli import main as convert_main
+
+    ckpt = tiny_ckpt[0]
+    before = {p: p.read_bytes() for p in ckpt.iterdir()}
+    out = run_ok(convert_main, [str(tmp_path / "hf"), "--out", str(ckpt), "--if-missing"], capsys)
+    assert out == f"checkpoint already at {ckpt}\n"
+    assert {p: p.read_bytes() for p in ckpt.iterdir()} == before
 
 
 def test_generate_missing_model(tmp_path, capsys):
