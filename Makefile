@@ -26,7 +26,7 @@ demo: model
 # Two pytest workers: compilation and Python are single-threaded, so two processes keep
 # both cores of the development machine busy.
 test: model
-	$(PY) -m pytest -q -n 2 -m "not slow and not gpu"
+	$(PY) -m pytest -q -n 2 -m "not slow and not gpu" --durations=20
 
 test-slow: model
 	$(PY) -m pytest -q -m "slow"
