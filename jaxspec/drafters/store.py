@@ -60,6 +60,7 @@ def flatten(tree, prefix="", leaf=_stored) -> dict:
 
 
 def unflatten(flat: dict[str, np.ndarray]):
+    """flatten's inverse; ValueError where a list's indices are not 0..n-1."""
     root: dict = {}
     for key, value in flat.items():
         node, parts = root, key.split(".")
@@ -71,6 +72,8 @@ def unflatten(flat: dict[str, np.ndarray]):
         if not isinstance(node, dict):
             return node
         if node and all(k.isdigit() for k in node):
+            if set(node) != {str(i) for i in range(len(node))}:
+                raise ValueError(f"list indices {sorted(node, key=int)} are not 0..{len(node) - 1}")
             return [listify(node[str(i)]) for i in range(len(node))]
         return {k: listify(v) for k, v in node.items()}
 
@@ -173,9 +176,13 @@ def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) 
             f"({', '.join(f'{k}={have.get(k)}' for k in shape_keys)}), not for {base.name!r}; "
             f"train one for this model with `jaxspec-train {method} --model ...`"
         )
-    params = unflatten(
-        {k: jnp.asarray(v, dtype) for k, v in _read(path / WEIGHTS, "weights").items()}
-    )
+    flat = {k: jnp.asarray(v, dtype) for k, v in _read(path / WEIGHTS, "weights").items()}
+    try:
+        params = unflatten(flat)
+    except ValueError as e:
+        raise JaxspecError(
+            f"corrupt drafter weights {path / WEIGHTS} ({e}); retrain the drafter"
+        ) from None
     if (path / DATA).is_file():
         data.update(_read(path / DATA, "data"))
     return StoredDrafter(settings, params, data)
