@@ -58,6 +58,8 @@ CASES = [
     Case("lr-inf", "train", tiny_args("firp", "--lr", "inf"), "--lr: 'inf' is not a finite"),
     Case("layers-text", "train", tiny_args("firp", "--layers", "1,two"),
          "--layers: takes comma-separated integers"),
+    Case("layers-0", "train", tiny_args("ppd", "--layers", "0,2"),
+         "--layers: takes integers >= 1, got '0,2'"),
     Case("cpu-tree", "train", tiny_args("sdsat", "--cpu-tree", "bushy"), "unknown tree 'bushy'"),
     Case("cpu-tree-dynamic", "train", tiny_args("sdsat", "--cpu-tree", "dynamic-8"),
          "sdsat drafts fixed trees"),  # fmt: skip
@@ -115,8 +117,24 @@ def test_the_default_out_is_the_runs_own_folder_in_jaxspec_home(method, ckpt, tm
     assert out.name.startswith(f"{method}-")
     assert f"writing to {out}" in capsys.readouterr().out
     assert trainer.train([*args, "--overwrite"]) == out
+    write("drafter.json")(out, ckpt)  # a finished run's folder: its rerun rewrites it
+    assert trainer.train(args) == out
     assert trainer.train([*args, "--save-every", "7"]) == out  # not a training flag
     assert trainer.train([*args, "--seed", "7"]) != out
+
+
+def test_a_default_folder_that_cannot_be_written_is_refused_first(ckpt, tmp_path, monkeypatch):
+    """Without --out and --work-dir the defaults in $JAXSPEC_HOME are checked as given ones
+    are, before the run starts."""
+    from train import medusa
+    from train.skeleton import Trainer
+
+    monkeypatch.setattr(Trainer, "run", lambda self, work, out: pytest.fail("it ran"))
+    write("home")(tmp_path, ckpt)  # $JAXSPEC_HOME is a file
+    args = tiny_training_args(ckpt, tmp_path)
+    del args[args.index("--out") : args.index("--out") + 2]
+    with pytest.raises(JaxspecError, match="--out .*home is a file, not a folder"):
+        medusa.train(args)
 
 
 def test_a_crash_mid_write_leaves_no_cache_file(tiny_ckpt, tmp_path, monkeypatch):
