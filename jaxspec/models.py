@@ -25,6 +25,15 @@ from jaxspec.mesh import as_mesh, shard_params
 DTYPES = ("float32", "bfloat16")
 
 
+def checked_dtype(dtype: str | None):
+    """A name of DTYPES as its numpy dtype (None stays None); else a one-line error."""
+    if dtype is None:
+        return None
+    if dtype not in DTYPES:
+        raise JaxspecError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return jnp.dtype(dtype)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     path: Path
@@ -53,8 +62,7 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
     from jaxspec.convert.default_model import ensure_default_model
     from jaxspec.convert.hf import load_tokenizer
 
-    if dtype is not None and dtype not in DTYPES:
-        raise JaxspecError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    host_dtype = checked_dtype(dtype)
     path = Path(src) if src else ensure_default_model()
     if not path.exists():
         raise JaxspecError(
@@ -75,7 +83,7 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
         cfg, params = load_checkpoint(path)
         tokenizer = load_tokenizer(path)
     else:  # an HF folder or GGUF file: read into host memory in the dtype asked for, placed
-        cfg, params, tokenizer = load_any(path, jnp.dtype(dtype) if dtype else default_dtype())
+        cfg, params, tokenizer = load_any(path, host_dtype or default_dtype())
         if mesh is None:
             params = jax.tree.map(jnp.asarray, params)
         else:  # host arrays straight to their shards: never the whole model on one device

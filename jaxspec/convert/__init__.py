@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
 from jaxspec.convert.gguf import load_gguf
 from jaxspec.convert.hf import load_hf_folder, load_tokenizer, save_hf_folder
 from jaxspec.errors import JaxspecError
+from jaxspec.models import checked_dtype
 from jaxspec.outputs import check_output_dir
 
 
@@ -38,10 +38,9 @@ def convert(
     """Convert src into out; `name` overrides the model name recorded in the config, `dtype`
     ("float32", "bfloat16"; None: as stored) the weights'. `out` may hold other files (the
     CLI asks for --overwrite then) but never src."""
-    if dtype not in (None, "float32", "bfloat16"):
-        raise JaxspecError(f"unknown dtype {dtype!r}; use 'float32' or 'bfloat16'")
+    host_dtype = checked_dtype(dtype)
     check_output_dir(out, [src], overwrite=True)
-    cfg, params, tokenizer = load_any(src, np.dtype(jnp.dtype(dtype)) if dtype else None)
+    cfg, params, tokenizer = load_any(src, host_dtype)
     if name:
         cfg = dataclasses.replace(cfg, name=name)
     if to == "jaxspec":
