@@ -37,7 +37,9 @@ def folder(tiny_ckpt, tmp_path):
     return tmp_path, cfg, settings, weights
 
 
-def one_line_error(call, *texts):
+def raises_one_line(call, *texts):
+    """call() raises a JaxspecError of one line holding every text (conftest's one_line_error
+    runs a CLI instead)."""
     with pytest.raises(JaxspecError) as e:
         call()
     assert "\n" not in str(e.value) and all(t in str(e.value) for t in texts), str(e.value)
@@ -84,7 +86,7 @@ def test_a_data_array_of_any_memory_order_is_stored(folder):
 def test_a_drafter_for_another_model_is_refused_naming_both(folder, field):
     path, cfg, _, _ = folder
     other = dataclasses.replace(cfg, **{field: getattr(cfg, field) + 1}, name="other")
-    one_line_error(
+    raises_one_line(
         lambda: load_drafter(path, "firp", other),
         f"was trained for {cfg.name!r}",
         f"{field}={getattr(cfg, field)}",
@@ -96,27 +98,27 @@ def test_missing_and_corrupt_folders_are_one_line_errors(folder):
     path, cfg, _, _ = folder
     (path / DATA).write_bytes(b"\x08\x00\x00")
     load = lambda: load_drafter(path, "firp", cfg)  # noqa: E731
-    one_line_error(load, "corrupt drafter data", str(path / DATA))
+    raises_one_line(load, "corrupt drafter data", str(path / DATA))
     (path / WEIGHTS).write_bytes((path / WEIGHTS).read_bytes()[:40])
-    one_line_error(lambda: load_drafter(path, "firp", cfg), "corrupt drafter weights")
+    raises_one_line(lambda: load_drafter(path, "firp", cfg), "corrupt drafter weights")
     (path / WEIGHTS).unlink()
-    one_line_error(lambda: load_drafter(path, "firp", cfg), f"no drafter at {path}")
+    raises_one_line(lambda: load_drafter(path, "firp", cfg), f"no drafter at {path}")
     (path / META).write_bytes(b'{"method": "firp\xff"}')
-    one_line_error(lambda: load_drafter(path, "eagle", cfg), "jaxspec-train eagle")
+    raises_one_line(lambda: load_drafter(path, "eagle", cfg), "jaxspec-train eagle")
     (path / WEIGHTS).write_bytes(b"")
-    one_line_error(lambda: load_drafter(path, "firp", cfg), str(path / META), "not valid JSON")
+    raises_one_line(lambda: load_drafter(path, "firp", cfg), str(path / META), "not valid JSON")
 
 
 def test_a_drafter_of_another_method_is_refused(folder):
     path, cfg, _, _ = folder
-    one_line_error(lambda: load_drafter(path, "eagle", cfg), "holds a 'firp' drafter, not 'eagle'")
+    raises_one_line(lambda: load_drafter(path, "eagle", cfg), "holds a 'firp' drafter, not 'eagle'")
 
 
 def test_list_indices_with_a_gap_are_a_corrupt_drafter(folder):
     path, cfg, _, _ = folder
     flat = load_file(str(path / WEIGHTS))
     save_file({k.replace("maps.1.", "maps.2."): v for k, v in flat.items()}, str(path / WEIGHTS))
-    one_line_error(lambda: load_drafter(path, "firp", cfg), str(path / WEIGHTS),
+    raises_one_line(lambda: load_drafter(path, "firp", cfg), str(path / WEIGHTS),
                    "retrain the drafter")  # fmt: skip
 
 
@@ -139,4 +141,4 @@ def test_bool_and_float_settings_take_only_their_json_kinds(raw, error):
     if error is None:
         assert Typed.from_json(raw, "f.json") == Typed(**raw)
     else:
-        one_line_error(lambda: Typed.from_json(raw, "f.json"), "f.json: " + error)
+        raises_one_line(lambda: Typed.from_json(raw, "f.json"), "f.json: " + error)
