@@ -352,8 +352,10 @@ class PpdGenerator:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens=None) -> GenerationResult:  # fmt: skip
         sized = max(len(prompt_ids), self.min_prompt_len)
-        cache_len(len(prompt_ids), max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
-        S = cache_len(sized, max_new_tokens, 1, self.max_len, "the pipeline writes ahead")
+        # A round writes its token's entries where AR's step does; a sub-process's guess
+        # one position further is held beside the cache, not in it: no slot ahead.
+        cache_len(len(prompt_ids), max_new_tokens, 0, self.max_len)
+        S = cache_len(sized, max_new_tokens, 0, self.max_len)
         chunked, P, S = prefill_shape(len(prompt_ids), self.min_prompt_len, self.prefill_chunk, S)
         compile_s = self._warm_up(P, S, chunked)
         eos = set(self.cfg.eos_token_ids)

@@ -158,11 +158,16 @@ def test_fewer_devices_than_k_plus_1_share_them_and_stay_greedy(n_devices):
 
 
 def test_a_prompt_bucket_longer_than_the_cache_is_cut_to_it():
-    """A 17-token prompt (bucket 24) and a 20-slot cache, as SpeculativeGenerator allows."""
+    """A 17-token prompt (bucket 24) and 3 new tokens fill a 20-slot cache exactly, as
+    the pipeline needs; one more token is refused."""
     cfg, params = deep_tiny(n_layers=4)
     prompt = list(range(3, 20))
-    ar = SpeculativeGenerator(cfg, params).generate(prompt, 2).token_ids
-    assert PpdGenerator(cfg, params, 2, 2, max_len=20).generate(prompt, 2).token_ids == ar
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 3).token_ids
+    gen = PpdGenerator(cfg, params, 2, 2, max_len=20)
+    assert gen.generate(prompt, 3).token_ids == ar
+    assert any(gen.last_stats.matches)  # a handed-over guess was committed
+    with pytest.raises(JaxspecError, match="need 21 positions"):
+        gen.generate(prompt, 4)
 
 
 @pytest.mark.parametrize(
