@@ -31,6 +31,7 @@ def test_bench_rows_set_each_methods_own_options():
         ("medusa@", "medusa@: @TREE (a tree preset or one the drafter ships) expected, got ''"),
         ("medusa# @cpu-8", "a label expected after #"),
         ("ppd@0", "@LAYER (the early-prediction layer, a number) expected, got '0'"),
+        ("firp/²", "/N (FIRP's pseudo chains on N nodes, N >= 0) expected, got '²'"),
     ],
 )
 def test_bench_rows_refuse_empty_or_out_of_range_parts(row, message):

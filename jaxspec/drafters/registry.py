@@ -42,7 +42,7 @@ OPTIONS = {
 
 def row_value(option: str, text: str):
     """A bench row's text for `option` -> its value, or None when it is not one."""
-    value = int(text) if text.isdigit() else text
+    value = int(text) if text.isascii() and text.isdigit() else text
     return value if OPTIONS[option][2](value) else None
 
 
