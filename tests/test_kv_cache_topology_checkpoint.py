@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from jaxspec.checkpoint import (
     CONFIG_FILE,
@@ -101,8 +102,6 @@ def tiny_saved(tmp_path):
 def test_a_layer_count_other_than_the_weights_is_named(tiny_saved, n_layers, dropped, held):
     cfg, folder = tiny_saved
     if dropped:
-        from safetensors.numpy import load_file, save_file
-
         flat = load_file(folder / WEIGHTS_FILE)
         save_file({k: v for k, v in flat.items() if not k.startswith(dropped)},
                   folder / WEIGHTS_FILE)  # fmt: skip
