@@ -30,3 +30,19 @@ def test_depth_is_fitted_where_its_parent_can_be_in_a_tree():
     hit[found, 1] = bernoulli(lp[found, 1], 1.0, 0.0, rng)  # right with probability p
     (_, _), (slope, shift) = fit_calibration(lp, hit)
     assert abs(slope - 1.0) <= 0.1 and abs(shift) <= 0.15  # over all rows: shift ~ log 0.5
+
+
+def test_a_depth_is_fitted_where_every_earlier_depth_was_found():
+    """Depth 2's guess can be right only where depths 0 and 1 both were found; depth 1 is
+    found on its own half the time: the fit counts the rows where both were, not those
+    where depth 1 alone was (nor where depth 2 itself was found)."""
+    rng = np.random.default_rng(2)
+    N, w = 20_000, 2
+    lp = np.log(rng.uniform(0.02, 1.0, (N, 3, w)))
+    hit = np.zeros((N, 3, w), bool)
+    hit[:, 0, 0] = rng.random(N) < 0.5
+    hit[:, 1, 0] = rng.random(N) < 0.5  # whatever depth 0 did
+    both = hit[:, 0, 0] & hit[:, 1, 0]
+    hit[both, 2] = bernoulli(lp[both, 2], 1.0, 0.0, rng)  # right with probability p
+    *_, (slope, shift) = fit_calibration(lp, hit)
+    assert abs(slope - 1.0) <= 0.1 and abs(shift) <= 0.15
