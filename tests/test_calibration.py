@@ -46,3 +46,11 @@ def test_a_depth_is_fitted_where_every_earlier_depth_was_found():
     hit[both, 2] = bernoulli(lp[both, 2], 1.0, 0.0, rng)  # right with probability p
     *_, (slope, shift) = fit_calibration(lp, hit)
     assert abs(slope - 1.0) <= 0.1 and abs(shift) <= 0.15
+
+
+def test_a_depth_never_reached_keeps_the_heads_probabilities():
+    """Depth 0 never finds the greedy token, so depth 1 has no evidence: q = p there."""
+    lp = np.log(np.full((4, 2, 1), 0.5))
+    hit = np.zeros((4, 2, 1), bool)
+    assert fit_calibration(lp, hit)[1] == (1.0, 0.0)
+    assert fit_depth(np.array([]), np.array([], bool)) == (1.0, 0.0)

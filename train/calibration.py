@@ -22,9 +22,11 @@ EPS = 1e-6
 
 def fit_depth(lp: np.ndarray, hit: np.ndarray) -> tuple[float, float]:
     """Guess log probabilities lp [M] and whether each was right hit [M] -> the (slope,
-    shift) of highest Bernoulli likelihood."""
+    shift) of highest Bernoulli likelihood; (1, 0), q = p, when M is 0."""
     lp, hit = np.asarray(lp, np.float64), np.asarray(hit, bool)
-    best, arg = np.inf, (1.0, 0.0)
+    if not lp.size:  # no evidence (a depth never reached): the head's own probabilities
+        return 1.0, 0.0
+    best, arg = np.inf, None
     for slope in SLOPES:
         log_q = np.minimum(0.0, slope * lp[:, None] + SHIFTS[None])  # [M,S]
         q = np.clip(np.exp(log_q), EPS, 1 - EPS)
