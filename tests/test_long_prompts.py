@@ -153,12 +153,13 @@ def test_prefix_attention_equals_the_masked_softmax(window, lengths):
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("window", [0, 12])
+@pytest.mark.parametrize("window", [0, 15])
 def test_prefix_attention_reads_only_the_prompt_so_far(window):
     """NaN in the cache's slots from 32 on (past both rows' 30 committed ones) and, with a
-    window of 12, in slots 0-15 (queries at 30-33 see slots > 18 only): blocks of 16 wholly
-    past the longest row, or behind every query's window, are never read. The masked
-    softmax over the whole buffer reads them (NaN)."""
+    window of 15, in slots 0-15 (queries at 30-33 see slots > 15 only: the skipped block
+    ends right behind the oldest query's window): blocks of 16 wholly past the longest
+    row, or behind every query's window, are never read. The masked softmax over the whole
+    buffer reads them (NaN)."""
     (q, k, v, k_new, v_new), lengths, positions, causal = _attention_inputs(64, 4, [30, 30])
     k, v = k.at[:, :, 32:].set(jnp.nan), v.at[:, :, 32:].set(jnp.nan)
     if window:
@@ -168,6 +169,14 @@ def test_prefix_attention_reads_only_the_prompt_so_far(window):
     assert not np.isfinite(
         attention(q, k, v, k_new, v_new, attention_mask(lengths, causal, 64))
     ).all()
+
+
+def test_prefix_attention_over_a_cache_shorter_than_a_block():
+    """Blocks of 16 over a 12-slot cache: one block of the whole cache, read once."""
+    args, lengths, positions, causal = _attention_inputs(12, 5, [7, 12])
+    want = attention(*args, attention_mask(lengths, causal, 12))
+    got = attention(*args, PrefixReads(lengths, causal, positions, 0, 16))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
 
 
 def test_prefix_attention_memory_does_not_grow_with_the_cache():

@@ -15,7 +15,8 @@ from jaxspec.config import preset
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.errors import JaxspecError
-from jaxspec.layers import OutIn, PlainProducts, dense
+from jaxspec.kv_cache import attention_mask, causal_mask
+from jaxspec.layers import OutIn, PlainProducts, PrefixReads, attention, dense
 from jaxspec.llama import compute_params, init_params, plain_products
 from jaxspec.tree import tree_preset
 
@@ -30,6 +31,38 @@ def test_plain_products_are_one_bfloat16_pass():
     np.testing.assert_array_equal(dense(x, PlainProducts(w)), want)
     np.testing.assert_array_equal(dense(x, PlainProducts(OutIn(w.T))), want)
     assert not np.array_equal(dense(x, w), want)  # the exact product keeps x's float32 bits
+
+
+@pytest.mark.parametrize("out_in", [False, True])
+def test_bfloat16_dense_keeps_all_24_bits_of_x(out_in):
+    """A shift of the columns times 2 (exact in bfloat16) moves each of x's float32 values
+    (24 significant bits, 8 in each split part) to the next column unchanged, in either
+    weight order: the float64 product bit for bit."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(4, 6)) * 2.0 ** rng.integers(-20, 20, (4, 6))).astype(np.float32)
+    shift = 2 * np.roll(np.eye(6), 1, axis=1)  # [in,out]
+    w = jnp.asarray(shift, jnp.bfloat16)
+    got = dense(jnp.asarray(x), OutIn(w.T) if out_in else w)
+    np.testing.assert_array_equal(got, x.astype(np.float64) @ shift)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_plain_attention_reads_only_bfloat16_bits(prefix):
+    """plain=True: both of attention's products are one bfloat16 pass (over the cache read
+    whole or block by block), so q, k and v rounded to bfloat16 first give the same bits;
+    the float32 products see the bits the rounding drops."""
+    rng = np.random.default_rng(1)
+    B, T, S, N, K, H = 1, 3, 8, 4, 2, 8
+    shapes = [(B, T, N, H), (B, K, S, H), (B, K, S, H), (B, K, T, H), (B, K, T, H)]
+    args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+    rounded = [a.astype(jnp.bfloat16).astype(jnp.float32) for a in args]
+    lengths, causal = jnp.array([5]), causal_mask(B, T)
+    mask = attention_mask(lengths, causal, S)
+    if prefix:
+        mask = PrefixReads(lengths, causal, lengths[:, None] + jnp.arange(T), 0, 4)
+    run = jax.jit(lambda inputs, plain: attention(*inputs, mask, plain), static_argnums=1)
+    np.testing.assert_array_equal(run(args, True), run(rounded, True))
+    assert not np.array_equal(run(args, False), run(rounded, False))
 
 
 def test_plain_prefill_keeps_methods_on_ar_tokens():
