@@ -316,7 +316,9 @@ def test_full_step_losses_are_the_papers(loss):
     """Eq. 9 (improved): 1/2 (clean cross-entropy over the answer + cross-entropy at the
     adaptive inputs of the mixed sequence); Eq. 8 (basic, Appendix A): cross-entropy over
     every answer target of the mixed sequence, its standard part at the ordinary inputs.
-    Checked against cross-entropies computed here from the model's logits."""
+    The mixed sequence's targets are the clean tokens (Y_M), never an adaptive id: adaptive
+    token j learns the token j+1 past the span's start, as drafting reads it. Checked
+    against cross-entropies computed here from the model's logits."""
     import optax
 
     from train.sdsat_full import answer_targets, full_step
@@ -334,11 +336,11 @@ def test_full_step_losses_are_the_papers(loss):
     np.testing.assert_array_equal(answer_targets(starts, lengths, 12), answer)
     mixed = np.where(masked, np.minimum(59 + offset, 60), tokens)
 
-    def ce(seq):  # [2,11] next-token cross-entropy
+    def ce(seq):  # [2,11] cross-entropy of each position's next clean token
         logits, _, _ = forward(params, cfg, jnp.asarray(seq), jnp.broadcast_to(jnp.arange(12),
                                (2, 12)), None, causal_mask(2, 12))  # fmt: skip
         logp = jax.nn.log_softmax(logits[:, :-1])
-        return -np.take_along_axis(np.asarray(logp), seq[:, 1:, None], 2)[..., 0]
+        return -np.take_along_axis(np.asarray(logp), tokens[:, 1:, None], 2)[..., 0]
 
     def mean(x, w):
         return (x * w).sum() / w.sum()

@@ -52,12 +52,14 @@ def inplace_spans(starts, lengths, S: int, L: int, rate: float, rng):
     return masked, offset
 
 
-def token_losses(params, cfg, tokens):
-    """Next-token cross-entropy [B,S-1] of tokens [B,S] (target: the token after each)."""
+def token_losses(params, cfg, tokens, labels=None):
+    """Next-token cross-entropy [B,S-1] of tokens [B,S] (target: the token after each in
+    `labels` [B,S], default `tokens`: a mixed sequence's targets are the clean tokens)."""
     B, S = tokens.shape
     logits, _, _ = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(S), (B, S)), None,
                            causal_mask(B, S))  # fmt: skip
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
+    labels = tokens if labels is None else labels
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], labels[:, 1:])
 
 
 def weighted_mean(ce, weights):
@@ -78,7 +80,7 @@ def full_step(state, tokens, answer, masked, offset, *, cfg, optimizer, n_ids, w
     at_adaptive = answer * masked[:, :-1]  # targets whose input is an adaptive token
 
     def loss_fn(params):
-        mixed_ce = token_losses(params, cfg, mixed)
+        mixed_ce = token_losses(params, cfg, mixed, tokens)  # Y_M: never an adaptive id
         adapted = weighted_mean(mixed_ce, at_adaptive)
         if loss == "basic":
             standard = weighted_mean(mixed_ce, answer - at_adaptive)
