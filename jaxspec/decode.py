@@ -262,7 +262,10 @@ def speculative_step(
         logits, row_logits = projected[:, :, 0], projected[:, :, 1:]
     else:
         logits, row_logits = lm_logits(params, cfg, h), None  # [B,T,V]
-    keys = position_keys(key, cache.lengths)
+    # Keyed by the first position drawn here, the root's next: the root's own key drew
+    # the root (in the prefill, for a first step), and one key drawing both correlated
+    # them (the draft's uniform was the first token's Gumbel noise).
+    keys = position_keys(key, cache.lengths + 1)
     if sampling.greedy:
         nodes, n_accepted, bonus = accept_greedy(topo, tokens, logits)
     elif sampling.typical and tree.n_nodes > 1:  # nothing drafted (AR): plain sampling

@@ -1,0 +1,151 @@
+"""The decoding loop's plumbing (jaxspec/decode.py), pinned by a mutation review: prefill
+shapes at a chunk's edge and under min_prompt_len, one program set per shape, a cache cut
+short by --max-len, per-row streaming, the timings' split, and the first verify step's
+randomness apart from the prefill's."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec.decode as decode
+from jaxspec.decode import SpeculativeGenerator, prefill_shape
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import Sampling
+from jaxspec.tree import tree_preset
+from tests.drafters import OracleDrafter
+from tests.test_speculative import exact_joint_distribution, tiny
+
+
+def test_prefill_shape_at_a_chunks_edge_under_min_prompt_len_and_a_short_cache():
+    """A prompt as long as a chunk is prefilled in one shot (one token more: in chunks);
+    min_prompt_len sizes a short prompt's program up to the chunk, not past it; the prompt
+    bucket (bucket(100) = 128) is cut to a shorter cache."""
+    assert prefill_shape(16, 0, 16, 128) == (False, 16, 128)
+    assert prefill_shape(17, 0, 16, 128) == (True, 16, 128)
+    assert prefill_shape(10, 100, 16, 128) == (False, 16, 128)
+    assert prefill_shape(100, 0, 1024, 110) == (False, 110, 110)
+
+
+def test_min_prompt_len_sizes_the_cache_as_for_that_prompt():
+    """Sized for 100-token prompts, a 3-token one compiles the 100-token shape: its cache
+    holds 100 + 40 new + 2 slots (bucket 192), not 3 + 40 + 2 (128)."""
+    cfg, _ = tiny()
+    gen = SpeculativeGenerator(cfg, None)
+    gen.min_prompt_len = 100
+    assert gen.shapes(3, 40) == gen.shapes(100, 40) == (False, 128, 192)
+
+
+def test_no_prompts_is_a_clear_error():
+    cfg, params = tiny()
+    with pytest.raises(JaxspecError, match="no prompts: pass at least one"):
+        SpeculativeGenerator(cfg, params).generate_batch([], 5)
+
+
+def test_each_prefill_kind_and_cache_length_runs_its_own_programs():
+    """One generator with 16-token chunks: a 16-token prompt (one shot), then a 20-token one
+    (chunked, with the same prefill width and cache length) and a longer answer (a 192-slot
+    cache) each compile their own programs (the programs of another would fail or decode
+    garbage)."""
+    cfg, params = tiny()
+    rng = np.random.default_rng(1)
+    short, long = rng.integers(3, 97, 16).tolist(), rng.integers(3, 97, 20).tolist()
+    gen = SpeculativeGenerator(cfg, params, prefill_chunk=16)
+    assert gen.shapes(16, 8) == (False, 16, 128) and gen.shapes(20, 8) == (True, 16, 128)
+    first = gen.generate(short, 8).token_ids
+    chunked = gen.generate(long, 8)
+    assert len(chunked.token_ids) == 8 and len(gen._executables) == 2
+    assert gen.generate(short, 120).token_ids[:8] == first and len(gen._executables) == 3
+
+
+def test_a_cache_cut_short_by_max_len_decodes_the_same_tokens():
+    """A 100-token prompt under max_len 110: its prompt bucket (128) is cut to the 110-slot
+    cache, which 8 new tokens and AR's 2 write-ahead slots fill exactly: the tokens of an
+    uncut cache. A ninth new token does not fit."""
+    cfg, params = tiny()
+    prompt = np.random.default_rng(2).integers(3, 97, 100).tolist()
+    cut = SpeculativeGenerator(cfg, params, max_len=110)
+    assert (
+        cut.generate(prompt, 8).token_ids
+        == SpeculativeGenerator(cfg, params).generate(prompt, 8).token_ids
+    )
+    with pytest.raises(JaxspecError, match="need 111 positions"):
+        cut.generate(prompt, 9)
+
+
+def test_each_row_streams_its_result_and_keeps_its_prompt():
+    """A batch through an oracle chain-4 (row 0 accepts whole 5-token steps, so its last
+    step is cut by max_new_tokens): each row's streamed pieces, in order, are its result's
+    tokens, never an empty piece; the results keep the prompts as passed, whatever the
+    caller does to its lists later."""
+    cfg, params = tiny()
+    prompts = [[5, 6, 7, 8, 9], [3, 1, 4]]
+    ar = SpeculativeGenerator(cfg, params).generate(prompts[0], 16).token_ids
+    reference = jnp.asarray(prompts[0] + ar + [0] * 16, jnp.int32)
+    tree = tree_preset("chain-4")
+    gen = SpeculativeGenerator(cfg, params, OracleDrafter(cfg.vocab_size), reference, tree)
+    streamed = {0: [], 1: []}
+    pieces = []
+    results = gen.generate_batch(
+        prompts, 12, on_tokens=lambda row, ids: (streamed[row].extend(ids), pieces.append(ids))
+    )
+    assert results[0].token_ids == ar[:12] and results[0].accepted == [4, 4, 4]  # 16 emitted
+    assert [streamed[0], streamed[1]] == [r.token_ids for r in results] and all(pieces)
+    prompts[0].append(99)
+    assert [r.prompt_ids for r in results] == [[5, 6, 7, 8, 9], [3, 1, 4]]
+
+
+def test_prompt_programs_run_on_the_prefill_params_and_count_as_prefill_time(monkeypatch):
+    """plain-prefill with 2-token chunks, on a clock that moves only while programs run (1 s
+    per prompt program, 1 ms per step): a warm generator runs its chunk and its prefill on
+    the prefill's (plain) weights and its steps on the exact ones; prefill_s is the prompt
+    programs' 2 s, decode_s the steps' (5 read, and one more dispatched before the last
+    read)."""
+    cfg, params = tiny()
+    gen = SpeculativeGenerator(cfg, params, prefill_chunk=2, products="plain-prefill")
+    assert gen.prefill_params is not gen.params
+    gen.generate([5, 6, 7], 6)
+    clock, seen = [0.0], []
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: clock[0])
+    (programs,) = gen._executables.values()
+
+    def ticking(name, seconds):
+        program = programs[name]
+
+        def run(*args):
+            clock[0] += seconds
+            seen.append((name, args[0] is gen.prefill_params))
+            return program(*args)
+
+        programs[name] = run
+
+    ticking("extend", 1.0), ticking("prefill", 1.0), ticking("step", 1e-3)
+    result = gen.generate([5, 6, 7], 6)
+    assert seen == [("extend", True), ("prefill", True)] + [("step", False)] * 6
+    assert result.compile_s == 0 and result.prefill_s == 2.0
+    assert result.decode_s == pytest.approx(6e-3)
+
+
+def test_the_first_verify_step_draws_apart_from_the_prefill():
+    """Sampling with chain-1 drafts of token 0, 500 rows of one prompt: the first two
+    tokens (the prefill's, then the first verify step's) jointly follow the model. The
+    step used to draw with the key the prefill drew the first token with, so the uniform
+    that tested the draft was the one whose Gumbel noise had made a first 0: after a 0, a
+    second 0 was accepted about 5% of the time instead of 67%."""
+    from scipy.stats import chisquare
+
+    cfg, params = tiny("tiny-mqa", vocab=6)
+    sampling, prompt, N = Sampling(1.0), [1, 4, 2, 5], 500
+    zeros = jnp.zeros(16, jnp.int32)  # the oracle's reference: it drafts token 0
+    gen = SpeculativeGenerator(
+        cfg, params, OracleDrafter(cfg.vocab_size), zeros, tree_preset("chain-1"), sampling
+    )
+    out = np.array([r.token_ids for r in gen.generate_batch([prompt] * N, 2, seed=5)])
+    expected = exact_joint_distribution(cfg, params, prompt, sampling) * N  # [V,V]
+    observed = np.zeros_like(expected)
+    np.add.at(observed, (out[:, 0], out[:, 1]), 1)
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
