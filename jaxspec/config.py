@@ -24,6 +24,13 @@ HF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 FAMILIES = tuple(HF_ARCHITECTURES)
+# What each family's transformers class assumes for a key its config.json leaves out.
+HF_CLASS_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768},
+}
 SUPPORTED = (
     "Llama 2/3.x (model_type 'llama'), Mistral ('mistral'), Qwen2/2.5 ('qwen2') and dense "
     "Qwen3 ('qwen3')"
@@ -159,6 +166,7 @@ class LlamaConfig:
         FAMILIES; anything else is one error naming the supported list."""
         d = hf if isinstance(hf, dict) else hf.to_dict()
         family = _family_of(d)
+        d = {**HF_CLASS_DEFAULTS[family], **d}  # a key set to null stays null, as in HF
         if d.get("hidden_act", "silu") != "silu":
             raise JaxspecError(f"unsupported activation {d['hidden_act']!r}; expected 'silu'")
         # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
@@ -178,7 +186,7 @@ class LlamaConfig:
             rope_theta=float(theta),
             rope_scaling=_rope_scaling_from_hf(rope),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position=d.get("max_position_embeddings", 4096),
+            max_position=d["max_position_embeddings"],
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos,
             name=d.get("_name_or_path") or family,
@@ -277,7 +285,7 @@ def _sliding_window(d: dict[str, Any], family: str) -> int:
             layer_types.add("sliding_attention")
     elif family == "mistral" and d.get("sliding_window"):
         window = int(d["sliding_window"])
-        return window if window < d.get("max_position_embeddings", 4096) else 0
+        return window if window < d["max_position_embeddings"] else 0
     if "sliding_attention" in layer_types:
         raise JaxspecError(
             f"this {family} model attends within a sliding window on some layers only; "

@@ -96,6 +96,19 @@ def test_absent_hf_fields_read_as_transformers_defaults():
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"]
 
 
+@pytest.mark.parametrize("family", ["llama3.2", "mistral", "qwen2", "qwen3"])
+def test_a_config_without_context_or_window_keys_reads_as_its_class(family):
+    """No max_position_embeddings or sliding_window in config.json: the length and window
+    are those the family's transformers class assumes (Llama 2048, Mistral 131072 with a
+    4096 window, Qwen 32768), not one guess for all."""
+    d = {k: v for k, v in tiny_family_config(family).to_dict().items()
+         if k not in ("max_position_embeddings", "sliding_window")}  # fmt: skip
+    hf = transformers.AutoConfig.for_model(**d)
+    cfg = LlamaConfig.from_hf_config(d)
+    assert cfg.max_position == hf.max_position_embeddings
+    assert cfg.sliding_window == (hf.sliding_window if family == "mistral" else 0)
+
+
 def test_rope_parameters_theta_wins_over_a_stale_top_level_one():
     """Both layouts in one file: transformers 5 reads rope_parameters' theta; so does jaxspec."""
     d = hf_dict(rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
