@@ -305,8 +305,8 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
 @pytest.mark.parametrize("tree_name", [None, "chain-1"])
 def test_generated_tokens_follow_the_models_joint_distribution_across_steps(tree_name):
     """Many rows of one prompt through generate_batch (one seed: every step gets the same
-    key, so its randomness must come from the positions): the second and third tokens (for
-    AR, two successive steps') jointly follow the model's distribution."""
+    key, so its randomness must come from the positions): the first three tokens (the
+    prefill's, then two steps') jointly follow the model's distribution."""
     from scipy.stats import chisquare
 
     cfg, params = tiny("tiny-mqa", vocab=6)
@@ -315,10 +315,9 @@ def test_generated_tokens_follow_the_models_joint_distribution_across_steps(tree
     drafter = RandomDrafter(cfg.vocab_size) if tree else None
     gen = SpeculativeGenerator(cfg, params, drafter, None, tree, sampling)
     out = np.array([r.token_ids for r in gen.generate_batch([prompt] * N, 3, seed=5)])
-    expected = exact_joint_distribution(cfg, params, prompt, sampling, 3)
-    expected = expected.sum(0) * N  # p(x2, x3): 36 cells
+    expected = exact_joint_distribution(cfg, params, prompt, sampling, 3) * N  # 216 cells
     observed = np.zeros_like(expected)
-    np.add.at(observed, (out[:, 1], out[:, 2]), 1)
+    np.add.at(observed, (out[:, 0], out[:, 1], out[:, 2]), 1)
     big = expected >= 5
     obs = np.append(observed[big], observed[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
