@@ -1,0 +1,45 @@
+"""Sampling paths the other chi-square tests leave out, pinned by a review of sampling's
+losslessness: a prompt prefilled in chunks, in a batch whose rows have different prompt
+lengths."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decode import SpeculativeGenerator
+from jaxspec.sampling import Sampling
+from jaxspec.tree import tree_preset
+from tests.drafters import OracleDrafter
+from tests.test_speculative import exact_joint_distribution, tiny
+
+
+def test_chunked_prompts_of_two_lengths_sample_the_models_first_tokens():
+    """2-token chunks, rows alternating a 5-token prompt (two chunks, then 1 token) and its
+    first 4 tokens (one chunk, then 2), chain-1 drafts of token 0: each prompt's first two
+    tokens (the chunked prefill's, then the first verify step's) jointly follow the model.
+    A chunked prefill keyed at another position than the prompt's end (one the first step
+    draws with too) would correlate the two draws."""
+    from scipy.stats import chisquare
+
+    cfg, params = tiny("tiny-mqa", vocab=6)
+    sampling, N = Sampling(1.0), 600
+    # p(x1, x2, x3 | the 4 tokens): its x1 = 3 slice is the 5-token prompt's p(x2, x3)
+    joint = exact_joint_distribution(cfg, params, [1, 4, 2, 5], sampling, 3)
+    prompts = {(1, 4, 2, 5, 3): joint[3] / joint[3].sum(), (1, 4, 2, 5): joint.sum(2)}
+    zeros = jnp.zeros(16, jnp.int32)  # the oracle's reference: it drafts token 0
+    gen = SpeculativeGenerator(
+        cfg, params, OracleDrafter(cfg.vocab_size), zeros, tree_preset("chain-1"), sampling,
+        prefill_chunk=2,
+    )  # fmt: skip
+    assert gen.shapes(5, 2)[0]  # prefilled in chunks
+    results = gen.generate_batch([list(p) for p in prompts] * (N // 2), 2, seed=5)
+    out = np.array([r.token_ids for r in results])
+    for i, expected in enumerate(prompts.values()):
+        expected = expected * (N // 2)
+        observed = np.zeros_like(expected)
+        np.add.at(observed, (out[i::2, 0], out[i::2, 1]), 1)
+        big = expected >= 5
+        obs = np.append(observed[big], observed[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
