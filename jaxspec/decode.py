@@ -126,11 +126,18 @@ def _collected_layers(drafter: Drafter, cfg: LlamaConfig) -> tuple[int, ...]:
     return tuple(sorted(set(drafter.collect) | {cfg.n_layers}))
 
 
+# The drafter's branch of the seed's key: no position reaches it, so a drafter that folds in
+# rows or positions never draws with the randomness that samples and accepts tokens
+# (sampling.position_keys folds positions into the same key).
+DRAFT_KEY_BRANCH = 2**32 - 1
+
+
 def _draft(drafter, params, drafter_params, tree, inputs: DraftInputs, key):
     """-> (candidates [B,T-1], the drafter's new state)."""
     state = drafter.advance(params, drafter_params, inputs)
     inputs = dataclasses.replace(inputs, state=state)
-    return drafter.propose(params, drafter_params, tree, inputs, jax.random.fold_in(key, 7)), state
+    draft_key = jax.random.fold_in(key, DRAFT_KEY_BRANCH)
+    return drafter.propose(params, drafter_params, tree, inputs, draft_key), state
 
 
 def check_tree_width(tree: TreeSpec, cfg: LlamaConfig) -> None:

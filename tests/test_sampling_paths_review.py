@@ -4,6 +4,7 @@ lengths."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -43,3 +44,25 @@ def test_chunked_prompts_of_two_lengths_sample_the_models_first_tokens():
         obs = np.append(observed[big], observed[~big].sum())
         exp = np.append(expected[big], expected[~big].sum())
         assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_the_drafters_key_is_apart_from_every_positions_sampling_key():
+    """The key a drafter gets is none of the keys positions fold in (sampling.position_keys
+    keys row r at position p by fold_in(fold_in(key, p), r)): a drafter folding rows into
+    its own key never draws with a token's randomness (fold_in(key, 7) did, at position 7)."""
+    from jaxspec.decode import _draft
+    from jaxspec.drafters.base import DraftInputs
+
+    class Spy:
+        def advance(self, params, drafter_params, inputs):
+            return None
+
+        def propose(self, params, drafter_params, tree, inputs, key):
+            self.key = key
+
+    spy, key = Spy(), jax.random.key(3)
+    _draft(spy, None, None, None, DraftInputs({}, jnp.zeros(1), jnp.zeros(1)), key)
+    positions = jnp.arange(1 << 16, dtype=jnp.uint32)  # beyond any model's max_position
+    position_keys = jax.vmap(lambda p: jax.random.key_data(jax.random.fold_in(key, p)))(positions)
+    drafter_key = jax.random.key_data(spy.key)
+    assert not (position_keys == drafter_key).all(-1).any()

@@ -88,7 +88,8 @@ class Drafter:
     and `prefill_model(...)` too (the prompt's forward: its rows alone, then the drafts').
     `propose(params, drafter_params, tree, inputs, key)` -> candidates [B, T-1] int32,
     the token for every non-root tree node (for a dynamic tree: a topology.Draft, the
-    nodes it chose with their tokens).
+    nodes it chose with their tokens). `key` is the drafter's own, apart from every key
+    that samples or accepts tokens (fold in `inputs.position` or rows to vary it).
     Drafters with their own memory across steps (Chimera's encoder cache) override
     `init_state` and `advance`: the state is created once per generation (it may start from
     the drafter params, e.g. a pre-filled table), updated from `inputs.entered` before every
