@@ -53,8 +53,9 @@ def inplace_spans(starts, lengths, S: int, L: int, rate: float, rng):
 
 
 def token_losses(params, cfg, tokens, labels=None):
-    """Next-token cross-entropy [B,S-1] of tokens [B,S] (target: the token after each in
-    `labels` [B,S], default `tokens`: a mixed sequence's targets are the clean tokens)."""
+    """Next-token cross-entropy [B,S-1] of the model run on tokens [B,S], each position's
+    target the next token of `labels` [B,S] (default: tokens; a mixed sequence's labels are
+    the clean tokens)."""
     B, S = tokens.shape
     logits, _, _ = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(S), (B, S)), None,
                            causal_mask(B, S))  # fmt: skip
