@@ -289,6 +289,7 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
         assert [r.token_ids for r in got] == [r.token_ids for r in ar], tree
 
 
+@pytest.mark.slow  # a non-default training path (~30 s): the fast set keeps its parts
 def test_eagle_grows_a_block_from_a_trained_drafter(trained_eagle, tmp_path):
     """--init a one-block drafter with --blocks 2: it starts where that drafter ended (its
     step-0 accuracy), trains (here on each answer's first 5 rows: --rows-within's narrower

@@ -269,6 +269,7 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     assert spec.generate(prompt, 24).token_ids == ar
 
 
+@pytest.mark.slow  # a non-default training path (~30 s): the fast set keeps its parts
 def test_paper_training_ships_a_lossless_drafter(tmp_path):
     """--training paper on a 3-layer model: step 1 trains exactly as the chained training
     (its pseudo state sees the same real tokens), step 2 (layer 2, then layer 3's attention)
