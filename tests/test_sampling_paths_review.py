@@ -1,6 +1,6 @@
 """Sampling paths the other chi-square tests leave out, pinned by a review of sampling's
 losslessness: a prompt prefilled in chunks, in a batch whose rows have different prompt
-lengths."""
+lengths; the drafter's key apart from the keys that sample tokens."""
 
 from __future__ import annotations
 
