@@ -166,6 +166,20 @@ def test_sampling_is_reproducible_and_varies_with_seed(tree_name):
     assert a != gen.generate([5, 6, 7], 30, seed=4).token_ids
 
 
+def pooled_chisquare_pvalue(observed, expected) -> float:
+    """Chi-square p-value of counts against expected counts (any shape), the cells expected
+    below 5 pooled into one; expected rescaled to the observed total (float32
+    probabilities sum to 1 within ~1e-7)."""
+    from scipy.stats import chisquare
+
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
 def exact_joint_distribution(cfg, params, context, sampling, n: int = 2):
     """p(x1, ..., xn | context) [V]*n from the model's warped distributions."""
     V = cfg.vocab_size
@@ -250,7 +264,6 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
     two-token distribution, for drafts that are often right (tiny vocabulary). place(kind,
     value): puts the cache, the drafter state and the row arrays ("cache", "state", "rows")
     where the programs should run (on a mesh); None: one device."""
-    from scipy.stats import chisquare
 
     place = place or (lambda kind, value: value)
     prompt, root, N = [1, 4, 2, 5], 3, 12000
@@ -293,13 +306,7 @@ def check_two_token_distribution(cfg, params, tree, sampling, drafter, dparams, 
     observed = np.zeros_like(expected)
     np.add.at(observed, (x1, x2), 1)
     assert observed[expected == 0].sum() == 0  # nothing outside top-k / top-p support
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    exp = exp * obs.sum() / exp.sum()  # float32 probabilities sum to 1 within ~1e-7
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert pooled_chisquare_pvalue(observed, expected) > 1e-3
 
 
 @pytest.mark.parametrize("tree_name", [None, "chain-1"])
@@ -307,7 +314,6 @@ def test_generated_tokens_follow_the_models_joint_distribution_across_steps(tree
     """Many rows of one prompt through generate_batch (one seed: every step gets the same
     key, so its randomness must come from the positions): the first three tokens (the
     prefill's, then two steps') jointly follow the model's distribution."""
-    from scipy.stats import chisquare
 
     cfg, params = tiny("tiny-mqa", vocab=6)
     sampling, prompt, N = Sampling(1.0), [1, 4, 2, 5], 3000
@@ -318,11 +324,7 @@ def test_generated_tokens_follow_the_models_joint_distribution_across_steps(tree
     expected = exact_joint_distribution(cfg, params, prompt, sampling, 3) * N  # 216 cells
     observed = np.zeros_like(expected)
     np.add.at(observed, (out[:, 0], out[:, 1], out[:, 2]), 1)
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    exp = exp * obs.sum() / exp.sum()
-    assert chisquare(obs, exp).pvalue > 1e-3
+    assert pooled_chisquare_pvalue(observed, expected) > 1e-3
 
 
 def test_a_drafted_token_outside_the_support_is_never_accepted(monkeypatch):
