@@ -170,3 +170,37 @@ def test_the_generated_tokens_join_the_text_matched():
     found, matched = drafter.continuations(state.tokens, jnp.array([8]), 1, 2)
     # "2 8" ends at 8 (the current token); found at 3-4 (the first output tokens): then 3 9
     assert found[0].tolist() == [[3, 9]] and matched[0].tolist() == [2]
+
+
+@pytest.mark.parametrize(
+    "drafter_name, tree_name", [("lookup", "comb-3-2"), ("retrieval", "dynamic-6-3-2")]
+)
+def test_copied_drafts_sample_the_models_first_three_tokens(drafter_name, tree_name):
+    """Many rows of a prompt that repeats itself (so matches are found and their drafts
+    often accepted), sampled: the first three tokens jointly follow the model's
+    distribution, with lookup's drafts (a comb: the best match's chain, siblings that no
+    match reaches all token 0) and with retrieved chains in a Medusa tree."""
+    from jaxspec.decode import SpeculativeGenerator
+    from jaxspec.drafters.retrieval import RetrievalDrafter
+    from jaxspec.sampling import Sampling
+    from tests.test_speculative import (
+        exact_joint_distribution,
+        pooled_chisquare_pvalue,
+        sampling_test_drafter,
+        tiny,
+    )
+
+    cfg, params = tiny("tiny-mqa", vocab=6)
+    sampling, prompt, N = Sampling(1.0), [1, 4, 2, 5, 1, 4, 2, 5, 1, 4], 3000
+    drafter, dparams = LookupDrafter(), None
+    if drafter_name == "retrieval":
+        medusa, dparams = sampling_test_drafter("medusa", cfg, params)
+        drafter = RetrievalDrafter(medusa, chains=2)
+    gen = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset(tree_name), sampling)
+    got = gen.generate_batch([prompt] * N, 3, seed=2)
+    assert np.mean([r.accepted[0] >= 1 for r in got]) > 0.1  # copied drafts were kept
+    out = np.array([r.token_ids for r in got])
+    expected = exact_joint_distribution(cfg, params, prompt, sampling, 3) * N  # 216 cells
+    observed = np.zeros_like(expected)
+    np.add.at(observed, (out[:, 0], out[:, 1], out[:, 2]), 1)
+    assert pooled_chisquare_pvalue(observed, expected) > 1e-3
