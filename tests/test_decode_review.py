@@ -1,17 +1,25 @@
 """The decoding loop's plumbing (jaxspec/decode.py), pinned by a mutation review: prefill
 shapes at a chunk's edge, under min_prompt_len and a short cache, one program set per
-shape, per-row streaming, the timings' split, and the first verify step's
-randomness apart from the prefill's."""
+shape, per-row streaming, the timings' split, the first verify step's randomness apart
+from the prefill's; what a drafter is told of a chunked prompt, an EOS inside a step, the
+cache's room for the steps ahead, a chunk's blocked reads of the cache and the backend's
+default chunk."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec.decode as decode
 from jaxspec.decode import SpeculativeGenerator, prefill_shape
+from jaxspec.drafters.base import NoDrafter
 from jaxspec.errors import JaxspecError
+from jaxspec.kv_cache import init_cache
+from jaxspec.llama import init_params
 from jaxspec.sampling import Sampling
 from jaxspec.tree import tree_preset
 from tests.drafters import OracleDrafter
@@ -129,3 +137,105 @@ def test_the_first_verify_step_draws_apart_from_the_prefill():
     observed = np.zeros_like(expected)
     np.add.at(observed, (out[:, 0], out[:, 1]), 1)
     assert pooled_chisquare_pvalue(observed, expected) > 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Told(NoDrafter):
+    """Its state: what each row's cache holds as the drafter is told (the first
+    Entered.count tokens at their positions, then `current` at `position`; -1 where
+    nothing), and how many times a position was told a token other than one it had."""
+
+    def init_state(self, cfg, batch, max_len, dtype, drafter_params=None):
+        return jnp.full((batch, max_len), -1, jnp.int32), jnp.zeros((batch,), jnp.int32)
+
+    def advance(self, params, drafter_params, inputs):
+        (told, changed), new = inputs.state, inputs.entered
+        B, S = told.shape
+        M = new.tokens.shape[1]
+        at = jnp.where(jnp.arange(M) < new.count[:, None], new.start[:, None] + jnp.arange(M), S)
+        at = jnp.concatenate([at, inputs.position[:, None]], 1)  # [B,M+1], S: not told
+        tokens = jnp.concatenate([new.tokens, inputs.current[:, None]], 1)
+        old = jnp.take_along_axis(told, jnp.minimum(at, S - 1), 1)
+        changed += ((at < S) & (old != -1) & (old != tokens)).sum(1)
+        told = told.at[jnp.arange(B)[:, None], at].set(tokens, mode="drop")
+        return told, changed
+
+
+def test_a_drafter_is_told_each_rows_prompt_once_at_its_positions():
+    """4-token chunks, rows of 9 and 2 tokens (the short one has no tokens in either chunk
+    before its last): the drafter is told each prompt, then its first token, nothing past
+    it, and never a token at a position that held another."""
+    cfg, params = tiny()
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4]]
+    gen = SpeculativeGenerator(cfg, params, Told(), prefill_chunk=4)
+    results = gen.generate_batch(prompts, 1)
+    told, changed = (np.asarray(x) for x in gen.drafter_state)
+    for row, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        want = prompt + result.token_ids
+        assert told[row].tolist() == want + [-1] * (told.shape[1] - len(want))
+    assert changed.tolist() == [0, 0]
+
+
+def test_an_eos_inside_a_step_ends_the_answer_on_it():
+    """An oracle chain-4 (whole 5-token steps) and an EOS that the first verify step emits
+    as its third token: the answer ends on it, the step's later tokens neither kept nor
+    streamed."""
+    cfg, params = tiny()
+    prompt = [5, 6, 7, 8, 9]
+    ar = SpeculativeGenerator(cfg, params).generate(prompt, 16).token_ids
+    assert ar[3] not in ar[:3]
+    reference = jnp.asarray(prompt + ar + [0] * 16, jnp.int32)
+    eos = dataclasses.replace(cfg, eos_token_ids=(ar[3],))
+    gen = SpeculativeGenerator(eos, params, OracleDrafter(cfg.vocab_size), reference,
+                               tree_preset("chain-4"))  # fmt: skip
+    streamed = []
+    result = gen.generate(prompt, 16, on_tokens=streamed.extend)
+    assert result.token_ids == streamed == ar[:4] and result.accepted == [4]
+
+
+def test_the_cache_holds_two_of_the_deepest_steps_past_the_answer():
+    """chain-4 writes up to 2 x 5 slots past the last token kept: 3 + 20 new + 10 fill a
+    33-position limit exactly, one new token more is refused naming the slots and a
+    shallower tree; AR leaves 2 slots, and its message offers no shallower tree."""
+    cfg, _ = tiny()
+    chain = SpeculativeGenerator(cfg, None, tree=tree_preset("chain-4"), max_len=33)
+    assert chain.cache_len(3, 20) == 33
+    ahead = (
+        r"\+ 21 new tokens \+ 10 slots that the steps of tree chain-4 \(5 nodes\) write ahead "
+        r"\(2 x \(depth 4 \+ 1\)\) need 34 positions.*--max-new-tokens or use a shallower tree$"
+    )
+    with pytest.raises(JaxspecError, match=ahead):
+        chain.cache_len(3, 21)
+    ar = SpeculativeGenerator(cfg, None, max_len=25)
+    assert ar.cache_len(3, 20) == 25
+    with pytest.raises(
+        JaxspecError, match=r"\+ 2 slots .* need 26 .*prompt or lower --max-new-tokens$"
+    ):
+        ar.cache_len(3, 21)
+
+
+def test_a_chunk_reads_the_cache_in_blocks():
+    """XLA's plan for a 16-token chunk (extend_prompt) against 256 and 4096 cache slots:
+    the same scratch memory, the cache read block by block (scores over the whole cache
+    would grow 16x)."""
+    cfg, _ = tiny()
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+
+    def scratch(S: int) -> int:
+        cache = jax.eval_shape(lambda: init_cache(cfg, 1, S))
+        program = decode.extend_prompt.lower(params, None, cache, ints(1, 16), ints(1), ints(1),
+                                             None, cfg=cfg, drafter=NoDrafter())  # fmt: skip
+        return program.compile().memory_analysis().temp_size_in_bytes
+
+    assert scratch(4096) < 2 * scratch(256)
+
+
+def test_the_default_chunk_is_the_backends(monkeypatch):
+    """prefill_chunk unset: PREFILL_CHUNK of the backend (CPU's 1024), 2048 on one it does
+    not name; a chunk passed wins."""
+    cfg, _ = tiny()
+    for backend, want in [("cpu", 1024), ("gpu", 2048), ("tpu", 2048), ("neuron", 2048)]:
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        assert SpeculativeGenerator(cfg, None, products="exact").prefill_chunk == want
+    assert SpeculativeGenerator(cfg, None, prefill_chunk=64).prefill_chunk == 64
