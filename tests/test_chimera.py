@@ -237,6 +237,24 @@ def test_the_trigram_cache_changes_nothing_but_the_work():
         assert lookups == len(prompt) + len(out.token_ids) + 1
 
 
+def test_a_chunked_prefill_looks_up_each_trigram_once():
+    """A batch prefilled in 4-token chunks (the 2-token row idle until its last chunk)
+    looks up as many trigrams as one-shot prefill does (hits may differ: a trigram repeated
+    in a later chunk finds the earlier chunk's entry)."""
+    import dataclasses
+
+    cfg, params = tiny()
+    drafter, dparams = random_chimera(cfg, params, n_heads=2)
+    drafter = dataclasses.replace(drafter, cache_size=64)
+    prompts, runs = [[5, 6, 7, 5, 6, 7, 5, 6, 7], [6, 7]], []
+    for chunk in (64, 4):
+        gen = SpeculativeGenerator(cfg, params, drafter, dparams, tree_preset("chain-2"),
+                                   prefill_chunk=chunk)  # fmt: skip
+        outs = gen.generate_batch(prompts, 8)
+        runs.append(([o.token_ids for o in outs], int(gen.drafter_state.lookups[1])))
+    assert runs[1] == runs[0]
+
+
 def test_the_trigram_cache_hits_a_repeated_trigram_with_the_encoder_value():
     import dataclasses
 

@@ -232,10 +232,10 @@ def test_a_chunk_reads_the_cache_in_blocks():
 
 
 def test_the_default_chunk_is_the_backends(monkeypatch):
-    """prefill_chunk unset: PREFILL_CHUNK of the backend (CPU's 1024), 2048 on one it does
-    not name; a chunk passed wins."""
+    """prefill_chunk unset: PREFILL_CHUNK of the backend, 2048 on one it does not name; a
+    chunk passed wins."""
     cfg, _ = tiny()
-    for backend, want in [("cpu", 1024), ("gpu", 2048), ("tpu", 2048), ("neuron", 2048)]:
+    for backend, want in [*decode.PREFILL_CHUNK.items(), ("neuron", 2048)]:
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         assert SpeculativeGenerator(cfg, None, products="exact").prefill_chunk == want
     assert SpeculativeGenerator(cfg, None, prefill_chunk=64).prefill_chunk == 64

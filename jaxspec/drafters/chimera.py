@@ -320,7 +320,10 @@ class ChimeraDrafter(Drafter):
             slots = cache_slots(tri_tokens, table.shape[0])
             fresh = jnp.concatenate([tri, tri_tokens.astype(jnp.float32)], -1)
             table = table.at[slots].set(jnp.where((valid & ~hit)[..., None], fresh, table[slots]))
-            new_here = valid & ((tri_pos > new.start[:, None]) | (tri_pos == 0))  # not counted yet
+            # not counted yet: past the start, or the first (a row idle in a prompt chunk
+            # enters nothing at 0)
+            first = (tri_pos == 0) & (new.count[:, None] > 0)
+            new_here = valid & ((tri_pos > new.start[:, None]) | first)
             lookups = lookups + jnp.stack([(hit & new_here).sum(), new_here.sum()]).astype(
                 jnp.int32
             )
