@@ -254,6 +254,7 @@ def trained_eagle(tiny_ckpt, tmp_path_factory):
     return tmp / "out", first, second, tiny_ckpt[0], tmp / "work"
 
 
+@pytest.mark.slow  # ~90 s with its training; Chimera, Medusa and FIRP keep resuming in the fast set
 def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
     from jaxspec.drafters.store import load_drafter
 
@@ -344,6 +345,7 @@ def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
         assert 0 < error < 0.05  # bfloat16 rounding, no more
 
 
+@pytest.mark.slow  # a non-default data path (~30 s)
 def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tmp_path):
     """--answers sharegpt trains on the conversations' own replies, states live and no
     answers generated; training further with --init --keep-vocab keeps that drafter's draft

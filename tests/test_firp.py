@@ -170,6 +170,7 @@ def test_last_accepted_probability_literal():
     np.testing.assert_array_equal(shift, [0, 0, 1, 1])
 
 
+@pytest.mark.slow  # CI time (~45 s)
 def test_unchained_nodes_draft_from_their_ancestor_shifted_chain():
     cfg, params = deeper("tiny-gqa")
     tree = tree_preset("cpu-16")

@@ -67,6 +67,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # CI time (~30 s, three processes)
 def test_three_processes_print_one_processes_tokens(tmp_path, capsys):
     """`jaxspec-generate --mesh data=1,model=3` over three processes (one CPU device each)
     with a Medusa drafter: process 0 prints the token ids one process gives, the others

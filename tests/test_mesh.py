@@ -243,6 +243,7 @@ FAMILIES_CFG = dataclasses.replace(
 )
 
 
+@pytest.mark.slow  # CI time (~33 s)
 def test_the_families_on_a_mesh_give_one_devices_tokens():
     """Chimera (its encoder a copy of a decoder layer, with the biases and norms) on a 2x2
     mesh gives one device's tokens, rows split over data, heads over model."""

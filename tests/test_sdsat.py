@@ -57,6 +57,7 @@ def test_the_adapter_leaves_ordinary_positions_bit_identical(name):
     assert not np.allclose(adapted[:, n:], base[:, n:], atol=1e-3)
 
 
+@pytest.mark.slow  # CI time (~34 s)
 def test_drafting_computes_what_training_trains():
     """Drafting after `current` = token i against the cache gives, row for row, the logits
     the trainer computes for a span starting at i (its first row: the base model's own)."""
@@ -110,6 +111,7 @@ def test_drafts_come_from_the_committed_cache():
     assert int(candidates[0, 0]) == ar[5]  # depth 1: the base model's own next token
 
 
+@pytest.mark.slow  # CI time (~31 s)
 def test_one_forward_chains_draft_what_the_draft_step_drafts():
     """The adaptive chain hung off token a inside one forward gives the draft step's
     guesses for `current` = token a against a cache of the tokens before it, and the real
@@ -172,6 +174,7 @@ def trained_sdsat(tiny_ckpt, tmp_path_factory):
     return tmp / "out", first, second, tiny_ckpt[0]
 
 
+@pytest.mark.slow  # ~60 s with its training; Chimera, Medusa and FIRP keep resuming in the fast set
 def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     from jaxspec.drafters.store import load_drafter
     from jaxspec.methods import build_generator
@@ -206,6 +209,7 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
         build_generator(model, "sdsat", out, tree="searched-4", sdsat_loop="one-forward")
 
 
+@pytest.mark.slow  # needs the training above
 def test_init_starts_from_a_trained_sdsat_adapter(trained_sdsat, tmp_path):
     """--init DIR: with lr 0 two steps keep that adapter's weights exactly (fresh LoRA b
     would be zeros); an adapter of another rank is refused."""
