@@ -76,6 +76,7 @@ def runs(tiny_ckpt, tmp_path_factory):
             proc.communicate()
 
 
+@pytest.mark.slow  # CI time (~38 s); the other examples stay fast
 def test_generate_example_runs_every_method(runs):
     out = finish(runs["generate"])
     for method in jaxspec.METHODS:

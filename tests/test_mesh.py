@@ -125,6 +125,7 @@ def test_a_device_of_a_mesh_needs_its_share_of_a_steps_memory(monkeypatch):
     split.check_memory(2, 64)
 
 
+@pytest.mark.slow  # CI time (~31 s); every method on a 2x2 mesh stays fast
 def test_generate_on_a_mesh_gives_one_devices_tokens(tmp_path, tiny_ckpt, capsys):
     """jaxspec-generate --mesh (ar, medusa, ppd): the same token ids, the weights split two
     ways; and
