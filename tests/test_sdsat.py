@@ -174,7 +174,7 @@ def trained_sdsat(tiny_ckpt, tmp_path_factory):
     return tmp / "out", first, second, tiny_ckpt[0]
 
 
-@pytest.mark.slow  # ~60 s with its training; Chimera, Medusa and FIRP keep resuming in the fast set
+@pytest.mark.slow  # ~60 s with its training; Medusa and FIRP keep resuming in the fast set
 def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     from jaxspec.drafters.store import load_drafter
     from jaxspec.methods import build_generator
