@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Four virtual CPU devices (PPD's pipelined decoding needs k + 1 devices); set before
@@ -11,12 +13,34 @@ from pathlib import Path
 if "device_count" not in os.environ.get("XLA_FLAGS", ""):
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     os.environ["XLA_FLAGS"] = flags.strip()
+# The tests' tiny programs spend their time compiling, not running: LLVM's optimisations
+# cost a third of it and change no result (XLA:CPU keeps IEEE float semantics at every
+# level). Commands the tests start inherit the flag.
+if "optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One folder of compiled programs for the whole run, shared by the pytest-xdist workers
+# (they inherit the variable from the process that made the folder, which removes it at the
+# end): modules free their programs when they end (below), and many compile the same ones.
+_PROGRAMS = "JAXSPEC_TEST_PROGRAMS"
+_made_programs_folder = _PROGRAMS not in os.environ
+if _made_programs_folder:
+    os.environ[_PROGRAMS] = tempfile.mkdtemp(prefix="jaxspec-test-programs-")
+jax.config.update("jax_compilation_cache_dir", os.environ[_PROGRAMS])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _made_programs_folder:
+        shutil.rmtree(os.environ.pop(_PROGRAMS), ignore_errors=True)
+
 
 VOCAB = 101
 

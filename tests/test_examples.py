@@ -37,10 +37,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def start(command: list, home: Path) -> subprocess.Popen:
-    # The test's own caches and work folders; XLA's optimisations off: they cost more time in
-    # compiling than they save in decoding 8 tokens of the tiny model (about 30% less).
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    env = {**os.environ, "JAXSPEC_HOME": str(home), "XLA_FLAGS": flags.strip()}
+    # The test's own caches and work folders (XLA_FLAGS from conftest: optimisations off).
+    env = {**os.environ, "JAXSPEC_HOME": str(home)}
     return subprocess.Popen([str(c) for c in command], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
 
