@@ -14,8 +14,8 @@ if "device_count" not in os.environ.get("XLA_FLAGS", ""):
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     os.environ["XLA_FLAGS"] = flags.strip()
 # The tests' tiny programs spend their time compiling, not running: LLVM's optimisations
-# cost a third of it and change no result (XLA:CPU keeps IEEE float semantics at every
-# level). Commands the tests start inherit the flag.
+# cost a quarter to a third of it and change no result (XLA:CPU keeps IEEE float semantics
+# at every level). Commands the tests start inherit the flag.
 if "optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
