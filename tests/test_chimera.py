@@ -189,7 +189,6 @@ def trained_chimera(tiny_ckpt, tmp_path_factory):
     return tmp / "out", first, second, tiny_ckpt[0]
 
 
-@pytest.mark.slow  # ~80 s with its training; Medusa and FIRP keep resuming in the fast set
 def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
     import json
 

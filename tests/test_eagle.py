@@ -254,7 +254,6 @@ def trained_eagle(tiny_ckpt, tmp_path_factory):
     return tmp / "out", first, second, tiny_ckpt[0], tmp / "work"
 
 
-@pytest.mark.slow  # ~90 s with its training; Medusa and FIRP keep resuming in the fast set
 def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
     from jaxspec.drafters.store import load_drafter
 

@@ -174,7 +174,6 @@ def trained_sdsat(tiny_ckpt, tmp_path_factory):
     return tmp / "out", first, second, tiny_ckpt[0]
 
 
-@pytest.mark.slow  # ~60 s with its training; Medusa and FIRP keep resuming in the fast set
 def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     from jaxspec.drafters.store import load_drafter
     from jaxspec.methods import build_generator
@@ -209,7 +208,6 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
         build_generator(model, "sdsat", out, tree="searched-4", sdsat_loop="one-forward")
 
 
-@pytest.mark.slow  # needs the training above
 def test_init_starts_from_a_trained_sdsat_adapter(trained_sdsat, tmp_path):
     """--init DIR: with lr 0 two steps keep that adapter's weights exactly (fresh LoRA b
     would be zeros); an adapter of another rank is refused."""
