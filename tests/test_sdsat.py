@@ -57,7 +57,6 @@ def test_the_adapter_leaves_ordinary_positions_bit_identical(name):
     assert not np.allclose(adapted[:, n:], base[:, n:], atol=1e-3)
 
 
-@pytest.mark.slow  # CI time (~34 s)
 def test_drafting_computes_what_training_trains():
     """Drafting after `current` = token i against the cache gives, row for row, the logits
     the trainer computes for a span starting at i (its first row: the base model's own)."""
