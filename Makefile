@@ -23,13 +23,13 @@ model: setup
 demo: model
 	$(PY) -m infer.demo "$(PROMPT)"
 
-# Two pytest workers: compilation and Python are single-threaded, so two processes keep
-# both cores of the development machine busy.
+# Two pytest workers (both sets): compilation and Python are single-threaded, so two
+# processes keep both cores of the development machine busy.
 test: model
 	$(PY) -m pytest -q -n 2 -m "not slow and not gpu" --durations=20
 
 test-slow: model
-	$(PY) -m pytest -q -m "slow"
+	$(PY) -m pytest -q -n 2 -m "slow" --durations=10
 
 bench: model
 	$(PY) -m infer.bench --methods ar,hf --questions $(SPEC_BENCH) --limit 8 \
