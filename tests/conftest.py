@@ -16,11 +16,14 @@ if "device_count" not in os.environ.get("XLA_FLAGS", ""):
 # The tests' tiny programs spend their time compiling, not running: LLVM's optimisations
 # cost a quarter to a third of it and change no result (XLA:CPU keeps IEEE float semantics
 # at every level). Commands the tests start inherit the flag.
+NO_LLVM_OPTIMISATION = "--xla_backend_optimization_level=0"
 if "optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] += " " + NO_LLVM_OPTIMISATION
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from jaxspec.compile_cache import SETTINGS  # noqa: E402  (every program kept)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,9 +35,8 @@ _PROGRAMS = "JAXSPEC_TEST_PROGRAMS"
 _made_programs_folder = _PROGRAMS not in os.environ
 if _made_programs_folder:
     os.environ[_PROGRAMS] = tempfile.mkdtemp(prefix="jaxspec-test-programs-")
-jax.config.update("jax_compilation_cache_dir", os.environ[_PROGRAMS])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+for _name, _value in {"jax_compilation_cache_dir": os.environ[_PROGRAMS], **SETTINGS}.items():
+    jax.config.update(_name, _value)
 
 
 def pytest_unconfigure(config):

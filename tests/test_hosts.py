@@ -17,6 +17,7 @@ import pytest
 from jaxspec import hosts
 from jaxspec.config import preset
 from jaxspec.errors import JaxspecError
+from tests.conftest import NO_LLVM_OPTIMISATION
 
 ROOT = Path(__file__).resolve().parent.parent
 # heads 6, kv heads 3, FFN 96, vocabulary 105: model=3 divides them all
@@ -87,7 +88,7 @@ def test_three_processes_print_one_processes_tokens(tmp_path, capsys):
     one = json.loads(run_ok(main, argv, capsys))
 
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=0"}  # one device each
+    env = {**os.environ, "XLA_FLAGS": NO_LLVM_OPTIMISATION}  # one device each
     group = ["--mesh", "data=1,model=3", "--coordinator", f"127.0.0.1:{port}",
              "--num-processes", "3"]  # fmt: skip
     procs = [
