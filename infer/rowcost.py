@@ -59,9 +59,9 @@ def forward_ms(cfg, params, rows: int, context: int, repeats: int, adapter=None)
 def load_sdsat(model, folder: Path | None):
     """-> (the SDSAT drafter in `folder` (None: the shipped one), its stored params)."""
     from jaxspec.drafters.store import load_drafter
-    from jaxspec.methods import DRAFTERS_DIR, make_drafter
+    from jaxspec.methods import make_drafter, shipped_drafter
 
-    folder = folder or DRAFTERS_DIR / model.cfg.name / "sdsat"
+    folder = folder or shipped_drafter(model.cfg, "sdsat")
     stored = load_drafter(folder, "sdsat", model.cfg)
     return make_drafter("sdsat", model.cfg, stored.settings), stored.params
 

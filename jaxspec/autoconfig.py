@@ -121,7 +121,7 @@ def model_name(model_dir: Path) -> str:
             f"no jaxspec checkpoint at {model_dir}; the configuration is measured for one "
             "(`jaxspec-convert SRC --out DIR` makes one)"
         )
-    return LlamaConfig.load(model_dir / CONFIG_FILE).name
+    return LlamaConfig.load(model_dir / CONFIG_FILE).folder_name
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:

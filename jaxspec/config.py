@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,12 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise JaxspecError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def folder_name(self) -> str:
+        """The model's name as one folder name (drafters/<it>/, $JAXSPEC_HOME/train/<it>/):
+        a name that is a path ("/ckpt/run-3", "org/model") gives its last part."""
+        return plain_name(self.name) or self.family
 
     def _check_types(self) -> None:
         """Sizes are positive integers and constants positive numbers (a config edited by
@@ -293,6 +300,14 @@ def _sliding_window(d: dict[str, Any], family: str) -> int:
             "with use_sliding_window false"
         )
     return 0
+
+
+def plain_name(name: str) -> str:
+    """A model name or path -> its last part, characters outside [A-Za-z0-9._-] as '-'
+    ("" when nothing is left, or only dots)."""
+    last = str(name).replace("\\", "/").rstrip("/").split("/")[-1]
+    last = re.sub(r"[^A-Za-z0-9._-]", "-", last)
+    return "" if last.strip(".") == "" else last
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling:

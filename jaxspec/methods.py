@@ -28,6 +28,13 @@ def shipped_drafters() -> Path:
 
 
 DRAFTERS_DIR = shipped_drafters()
+
+
+def shipped_drafter(cfg, method: str) -> Path:
+    """drafters/<model>/<method>/: the drafter shipped for a model (LlamaConfig `cfg`)."""
+    return DRAFTERS_DIR / cfg.folder_name / method
+
+
 PPD_K = 3
 
 
@@ -91,7 +98,7 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
             "ppd pipelines one sequence at a time: use --mesh data=1,model=M (each of its "
             "k + 1 stages then holds the model split M ways)"
         )
-    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
+    drafter_dir = drafter_dir or shipped_drafter(model.cfg, m.name)
     default_layer, heads = None, {}
     if drafter_dir.is_dir():
         stored = load_drafter(drafter_dir, m.name, model.cfg)
@@ -122,7 +129,7 @@ def build_speculative(
     model, its tree chosen, the drafter specialised for that tree."""
     from jaxspec.drafters.store import check_weights, load_drafter
 
-    drafter_dir = drafter_dir or DRAFTERS_DIR / model.cfg.name / m.name
+    drafter_dir = drafter_dir or shipped_drafter(model.cfg, m.name)
     settings, drafter_params, data = load_drafter(drafter_dir, m.name, model.cfg)
     retrieval = options.pop("retrieval", 0)
     drafter = m.drafter_class().from_settings(model.cfg, settings, **options)

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.medusa import MedusaDrafter
 from jaxspec.drafters.store import load_drafter
-from jaxspec.methods import DRAFTERS_DIR
+from jaxspec.methods import shipped_drafter
 from jaxspec.models import load_model
 from train import firp, medusa, ppd
 from train.features import answer_features, self_answers
+from train.model_stamp import training_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "card_accuracy.json"
 PROMPT_LEN, NEW_TOKENS = 128, 192  # as the shipped drafters were trained and evaluated
@@ -38,9 +38,7 @@ def rounded(rows) -> list:
 
 def medusa_accuracy(model, root: Path) -> dict:
     """top-1..5 per head [K,5], targets the base model's greedy tokens."""
-    settings, params, _ = load_drafter(
-        DRAFTERS_DIR / model.cfg.name / "medusa", "medusa", model.cfg
-    )
+    settings, params, _ = load_drafter(shipped_drafter(model.cfg, "medusa"), "medusa", model.cfg)
     drafter = MedusaDrafter(model.cfg, settings.n_heads)
     test = answer_features(model, root, "test", TEST_SEQS["medusa"], PROMPT_LEN, NEW_TOKENS)
     return {"top1_5_per_head": rounded(medusa.evaluate(drafter, model.params, params, test, "kl"))}
@@ -48,7 +46,7 @@ def medusa_accuracy(model, root: Path) -> dict:
 
 def firp_accuracy(model, root: Path) -> dict:
     """top-1..5 per FIRP step [K,5] on the trainer's fixed test anchors."""
-    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
+    settings, params, _ = load_drafter(shipped_drafter(model.cfg, "firp"), "firp", model.cfg)
     layers = settings.layers
     cache = firp.real_pass(model, root, root / "firp", "test", TEST_SEQS["firp"], PROMPT_LEN,
                            NEW_TOKENS, layers)  # fmt: skip
@@ -58,7 +56,7 @@ def firp_accuracy(model, root: Path) -> dict:
 
 def ppd_accuracy(model, root: Path) -> dict:
     """p_correct at top-1/3/5 per layer, untrained and trained."""
-    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "ppd", "ppd", model.cfg)
+    settings, params, _ = load_drafter(shipped_drafter(model.cfg, "ppd"), "ppd", model.cfg)
     answers = self_answers(model, root, "test", TEST_SEQS["ppd"], PROMPT_LEN, NEW_TOKENS)
     return ppd.evaluate(model, params["heads"], answers, settings.layers)
 
@@ -74,7 +72,7 @@ def main(argv=None) -> None:
     if unknown := set(methods) - set(MEASURE):
         p.error(f"unknown methods {sorted(unknown)}; choose among {', '.join(MEASURE)}")
     model = load_model(None)
-    root = jaxspec_home() / "train" / model.cfg.name
+    root = training_folder(model.cfg)
     results = json.loads(OUT.read_text()) if OUT.is_file() else {}
     for method in methods:
         measured = MEASURE[method](model, root)

@@ -36,13 +36,14 @@ import numpy as np
 
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.store import load_drafter
-from jaxspec.methods import DRAFTERS_DIR, make_drafter
+from jaxspec.methods import make_drafter, shipped_drafter
 from jaxspec.models import load_model
 from jaxspec.tree import expected_tokens_per_step, per_rank_accuracy, search_tree
 from repro.plots import plot_topk, run_part
 from train import chimera as chimera_train
 from train import medusa as medusa_train
 from train.features import answer_features
+from train.model_stamp import training_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "chimera"
 
@@ -65,7 +66,7 @@ def parse_args(argv=None):
 def shipped(model, method, for_generation=True):
     """The shipped drafter; for generation as `jaxspec-generate` uses it (with its draft
     vocabulary, if any), else with the weights alone (accuracy over the whole vocabulary)."""
-    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+    settings, params, _ = load_drafter(shipped_drafter(model.cfg, method), method, model.cfg)
     drafter = make_drafter(method, model.cfg, settings)
     if for_generation:
         params = drafter.prepare(model.params, params, settings)
@@ -73,7 +74,7 @@ def shipped(model, method, for_generation=True):
 
 
 def test_features(model, args):
-    root = jaxspec_home() / "train" / model.cfg.name
+    root = training_folder(model.cfg)
     return answer_features(model, root, "test", args.test_seqs, 128, 192)
 
 
@@ -147,7 +148,7 @@ def part_timeshare(args, model) -> dict:
     from jaxspec.tree import TreeSpec
 
     chimera, params = shipped(model, "chimera")
-    settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg)[0]
+    settings = load_drafter(shipped_drafter(model.cfg, "chimera"), "chimera", model.cfg)[0]
     prompt = encode_prompt(model.tokenizer, "Explain how a bicycle gear works.")
     ar = SpeculativeGenerator(model.cfg, model.params)
     ar.generate(prompt, 8)
@@ -188,11 +189,9 @@ def part_cache(args, model) -> dict:
         encode_prompt(model.tokenizer, q.turns[0])
         for q in select_questions(load_questions(args.questions), None, 1)
     ]
-    settings, raw, data = load_drafter(
-        DRAFTERS_DIR / model.cfg.name / "chimera", "chimera", model.cfg
-    )
+    settings, raw, data = load_drafter(shipped_drafter(model.cfg, "chimera"), "chimera", model.cfg)
     chimera = make_drafter("chimera", model.cfg, settings)
-    train_f = answer_features(model, jaxspec_home() / "train" / model.cfg.name, "train",
+    train_f = answer_features(model, training_folder(model.cfg), "train",
                               args.train_seqs, 128, 192)  # fmt: skip
     frequent = chimera_train.frequent_ngrams(train_f, chimera.ngram, 65536)
     result = {}
@@ -224,7 +223,7 @@ def part_bound(args, model) -> dict:
     if not path.is_file():
         raise SystemExit(f"the bound part reads {path}: run the accuracy part first")
     accuracy = json.loads(path.read_text())
-    firp = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)
+    firp = load_drafter(shipped_drafter(model.cfg, "firp"), "firp", model.cfg)
     accuracy["firp"] = firp.data["test_topk_accuracy"].tolist()
     result = {}
     for name, topk in accuracy.items():

@@ -37,10 +37,11 @@ import numpy as np
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.drafters.firp import pseudo_forward
 from jaxspec.drafters.store import load_drafter
-from jaxspec.methods import DRAFTERS_DIR, make_drafter
+from jaxspec.methods import make_drafter, shipped_drafter
 from jaxspec.models import load_model
 from repro.plots import plot_topk, run_part
 from train import firp as firp_train
+from train.model_stamp import training_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "firp"
 
@@ -60,7 +61,7 @@ def parse_args(argv=None):
 
 
 def work_dir(model) -> Path:
-    return jaxspec_home() / "train" / model.cfg.name / "firp"
+    return training_folder(model.cfg) / "firp"
 
 
 def train_variant(args, layers, variant, tag, steps=None, pass_layers=None) -> dict:
@@ -89,7 +90,7 @@ def test_pass(model, args, layers):
 
 
 def shipped(model, method):
-    settings, params, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+    settings, params, _ = load_drafter(shipped_drafter(model.cfg, method), method, model.cfg)
     return make_drafter(method, model.cfg, settings), params
 
 
@@ -285,8 +286,8 @@ def part_sizes(args, model) -> dict:
     from jaxspec.drafters.settings import DrafterSettings
     from jaxspec.drafters.store import WEIGHTS, save_drafter
 
-    firp_settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "firp", "firp", model.cfg)[0]
-    medusa_settings = load_drafter(DRAFTERS_DIR / model.cfg.name / "medusa", "medusa", model.cfg)[0]
+    firp_settings = load_drafter(shipped_drafter(model.cfg, "firp"), "firp", model.cfg)[0]
+    medusa_settings = load_drafter(shipped_drafter(model.cfg, "medusa"), "medusa", model.cfg)[0]
     heads = medusa_settings.n_heads
     kinds = {
         f"firp ({len(firp_settings.layers)} maps)": FirpDrafter(
@@ -309,7 +310,7 @@ def part_sizes(args, model) -> dict:
                 "file_bytes": (folder / WEIGHTS).stat().st_size,
             }
     for method in ("firp", "medusa", "chimera", "sdsat"):
-        path = DRAFTERS_DIR / model.cfg.name / method / WEIGHTS
+        path = shipped_drafter(model.cfg, method) / WEIGHTS
         if path.is_file():
             result["shipped_bytes"][method] = path.stat().st_size
     plot_sizes(result["built"], args.out / "sizes.png")

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.store import load_drafter
-from jaxspec.methods import DRAFTERS_DIR, build_generator, provide_devices
+from jaxspec.methods import build_generator, provide_devices, shipped_drafter
 from jaxspec.models import load_model
 from jaxspec.ppd import head_name
 from jaxspec.ppd_theory import (
@@ -104,7 +104,7 @@ PAPER_TASKS = {"rag": ("SQuAD", 16), "summarization": ("CNN/DM", 128),
 
 
 def shipped_heads(model) -> dict:
-    folder = DRAFTERS_DIR / model.cfg.name / "ppd"
+    folder = shipped_drafter(model.cfg, "ppd")
     return load_drafter(folder, "ppd", model.cfg)[1]["heads"] if folder.is_dir() else {}
 
 

@@ -36,6 +36,7 @@ from jaxspec.models import DTYPES, load_model
 from jaxspec.sampling import Sampling
 from repro.plots import plot_topk, run_part
 from train.features import conversation_ids
+from train.model_stamp import training_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "sdsat"
 GREEDY_KS = "1,2,3,4,5,6,8,10,13"
@@ -114,13 +115,13 @@ def part_trees(args, model) -> dict:
     """Top-1..5 accuracy of the shipped adapter's drafts per depth (40 ShareGPT test
     answers, as its card) and `searched-N` trees from it (the shipped drafter.json's)."""
     from jaxspec.drafters.store import load_drafter
-    from jaxspec.methods import DRAFTERS_DIR, make_drafter
+    from jaxspec.methods import make_drafter, shipped_drafter
     from train import sdsat as sdsat_train
     from train.features import self_answers
 
-    settings, dparams, _ = load_drafter(DRAFTERS_DIR / model.cfg.name / "sdsat", "sdsat", model.cfg)
+    settings, dparams, _ = load_drafter(shipped_drafter(model.cfg, "sdsat"), "sdsat", model.cfg)
     drafter = make_drafter("sdsat", model.cfg, settings)
-    root = jaxspec_home() / "train" / model.cfg.name
+    root = training_folder(model.cfg)
     test = self_answers(model, root, "test", 40, 128, 192)
     evaluation = sdsat_train.evaluate(drafter, model.params, dparams, test, settings.window)
     trees = sdsat_train.sdsat_trees(evaluation["topk_per_depth"])
@@ -174,7 +175,7 @@ def _logits(params, tokens, *, cfg):
 
 
 def part_quality(args, model) -> dict:
-    full_dir = args.full_model or jaxspec_home() / "models" / f"{model.cfg.name}-sdsat-full"
+    full_dir = args.full_model or jaxspec_home() / "models" / f"{model.cfg.folder_name}-sdsat-full"
     if not full_dir.is_dir():
         raise JaxspecError(
             f"no mode (a) model at {full_dir}; train one with `jaxspec-train sdsat --mode full`"

@@ -20,7 +20,7 @@ from train.checkpoints import command_flags, initial_params, run_name
 from train.optim import apply_grads
 from train.skeleton import Result, Trainer
 
-MODEL = SimpleNamespace(cfg=SimpleNamespace(name="tiny"), mesh=None)
+MODEL = SimpleNamespace(cfg=SimpleNamespace(name="tiny", folder_name="tiny"), mesh=None)
 
 
 class Counting(Trainer):
@@ -245,10 +245,11 @@ def test_train_asks_for_the_meshs_devices_and_caches_slow_compiles(tmp_path, mon
     got = {}
     monkeypatch.setattr(skeleton, "provide_devices", lambda n: got.setdefault("devices", n))
     monkeypatch.setattr(skeleton, "load_model", lambda path, mesh: MODEL)
+    monkeypatch.setattr(skeleton, "claim", lambda folder, model: got.setdefault("claim", folder))
     monkeypatch.setattr(skeleton, "compiles_are_slow", lambda: True)
     monkeypatch.setattr(skeleton, "compile_cache", lambda folder: contextlib.nullcontext(
                         got.setdefault("cache", folder)))  # fmt: skip
     monkeypatch.setattr(Counting, "run", lambda self, work, out: "ran")
     argv = ["--work-dir", str(tmp_path / "work"), "--mesh", "data=2,model=2"]
     assert skeleton.train(Split, parse(trainer_parser("medusa", None), argv)) == "ran"
-    assert got == {"devices": 4, "cache": skeleton.default_dir()}
+    assert got == {"devices": 4, "cache": skeleton.default_dir(), "claim": tmp_path / "work"}

@@ -127,7 +127,7 @@ class FullSdsat(Sdsat):
     wrote = "wrote the fine-tuned model to {out} (its drafter: {out}/sdsat)"
 
     def default_out(self) -> Path:
-        return jaxspec_home() / "models" / f"{self.cfg.name}-sdsat-full"  # repro.sdsat_study
+        return jaxspec_home() / "models" / f"{self.cfg.folder_name}-sdsat-full"  # repro.sdsat_study
 
     def prepare(self) -> None:
         """The answers and the model with the adaptive ids' rows (the mean embedding)."""

@@ -28,7 +28,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from jaxspec.checkpoint import jaxspec_home
 from jaxspec.compile_cache import compile_cache, compiles_are_slow, default_dir
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.drafters.store import save_drafter
@@ -41,6 +40,7 @@ from .acceptance import measure_acceptance
 from .args import default_out, training_run
 from .checkpoints import initial_params, resume_training, run_record, save
 from .features import answer_features, self_answers
+from .model_stamp import claim, training_folder
 
 
 @dataclasses.dataclass
@@ -99,16 +99,16 @@ class Trainer:
 
     # -- where the run writes
     def default_work(self) -> Path:
-        return jaxspec_home() / "train" / self.cfg.name / (self.folder or self.method)
+        return training_folder(self.cfg) / (self.folder or self.method)
 
     def default_out(self) -> Path:
-        return default_out(self.args, self.method, self.cfg.name)
+        return default_out(self.args, self.method, self.cfg.folder_name)
 
     @property
     def shared(self) -> Path:
         """The model's training folder (--work-dir when given): the self-distillation answers
         and features every trainer shares."""
-        return self.args.work_dir or jaxspec_home() / "train" / self.cfg.name
+        return self.args.work_dir or training_folder(self.cfg)
 
     def answers(self, features: bool = False) -> tuple[dict, dict]:
         """(train, test): the model's own greedy answers to --train-seqs train-split and
@@ -229,4 +229,5 @@ def train(kind: type[Trainer], args) -> dict:
         trainer = kind(args, load_model(args.model, mesh=shape and make_mesh(shape)))
         work = args.work_dir or trainer.default_work()
         with training_run(args, work, trainer.default_out()) as out:
+            claim(trainer.shared, trainer.model)
             return trainer.run(work, out)

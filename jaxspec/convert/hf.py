@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxspec.checkpoint import flatten_params
-from jaxspec.config import LlamaConfig
+from jaxspec.config import LlamaConfig, plain_name
 from jaxspec.convert.keys import params_from_hf, params_to_hf
 from jaxspec.errors import JaxspecError
 
@@ -26,6 +26,8 @@ def read_hf_config(folder: Path) -> LlamaConfig:
         cfg = LlamaConfig.from_hf_config(json.loads(file.read_text()))
     except (ValueError, KeyError) as e:
         raise JaxspecError(f"cannot read {file}: {e!r}") from None
+    if cfg.name == cfg.family:  # config.json names no model: the folder does
+        cfg = dataclasses.replace(cfg, name=folder_model_name(folder) or cfg.family)
     generation = folder / "generation_config.json"
     if not generation.is_file():
         return cfg
@@ -39,6 +41,15 @@ def read_hf_config(folder: Path) -> LlamaConfig:
             f"cannot read {generation}: {e!r}; fix or remove it (it adds stop tokens)"
         ) from None
     return dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + extra)
+
+
+def folder_model_name(folder: Path) -> str:
+    """The model name an HF folder's path gives: the folder's name, or for a Hub cache
+    snapshot (models--ORG--NAME/snapshots/REVISION) NAME."""
+    folder = folder.resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return plain_name(folder.parent.parent.name.split("--")[-1])
+    return plain_name(folder.name)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -24,7 +24,7 @@ from jaxspec.drafters.registry import METHODS, method
 from jaxspec.drafters.store import META, read_settings, save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.llama import init_params
-from jaxspec.methods import DRAFTERS_DIR, make_drafter
+from jaxspec.methods import make_drafter, shipped_drafter
 from jaxspec.models import load_model
 from jaxspec.tree import search_tree
 
@@ -92,7 +92,7 @@ def bench_rows(cfg, drafters: dict[str, Path], methods=METHODS[1:]) -> dict[str,
     the drafters that choose their nodes each step are in DYNAMIC too."""
     groups = {g: [] for g in GROUPS}
     for name in methods:
-        folder = drafters.get(name) or DRAFTERS_DIR / cfg.name / name
+        folder = drafters.get(name) or shipped_drafter(cfg, name)
         searched = {"row": f"{name}@{SEARCHED}", "tree": SEARCHED}
         if not method(name).drafter_folder:  # lookup: drafts from the text, nothing to load
             settings = method(name).settings_class()()
