@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import queue
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from pathlib import Path
 from jaxspec.drafters import registry
 from jaxspec.errors import JaxspecError
 from jaxspec.generate import GenerationResult
-from jaxspec.methods import DRAFTERS_DIR, build_generator
+from jaxspec.methods import build_generator, shipped_drafter
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling, check_seed
 from jaxspec.text import TextStream, encode_prompt
@@ -90,17 +91,22 @@ class Generator:
                     f"the model at {self.model.path} has no tokenizer: pass token ids"
                 )
             return encode_prompt(self.model.tokenizer, prompt, chat=self.chat)
-        if isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            bad = [t for t in prompt if not 0 <= t < self.model.cfg.vocab_size]
-            if bad:
-                raise JaxspecError(
-                    f"token id {bad[0]} is outside the vocabulary "
-                    f"(0..{self.model.cfg.vocab_size - 1})"
-                )
-            return list(prompt)
-        raise JaxspecError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        if not isinstance(prompt, (list, tuple)):
+            raise JaxspecError(
+                f"a prompt is a str or a list of token ids, got {type(prompt).__name__}"
+            )
+        odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if odd:
+            raise JaxspecError(
+                f"a prompt's token ids are integers, got {odd[0]!r} ({type(odd[0]).__name__}); "
+                "pass ints (an array's .tolist() gives them)"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.model.cfg.vocab_size]
+        if bad:
+            raise JaxspecError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.model.cfg.vocab_size - 1})"
+            )
+        return [int(t) for t in prompt]
 
     def _decode_text(self, ids: list[int]) -> str:
         if self.model.tokenizer is None:
@@ -245,4 +251,4 @@ def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None
 
     if not registry.method(method).drafter_folder:
         raise JaxspecError(f"method {method!r} has no drafter")
-    return load(Path(path) if path else DRAFTERS_DIR / model.cfg.name / method, method, model.cfg)
+    return load(Path(path) if path else shipped_drafter(model.cfg, method), method, model.cfg)

@@ -381,13 +381,7 @@ class SpeculativeGenerator:
         # A step may write its accepted path (up to max_depth + 1 slots) past the last token
         # kept, and a finished row commits one more step before the host sees it finished
         # (generate_batch).
-        ahead = 2 * (self.tree.max_depth + 1)
-        why = (
-            f"that the steps of {self.tree.label} write ahead (2 x (depth "
-            f"{self.tree.max_depth} + 1))"
-        )
-        fix = " or use a shallower tree" if self.tree.max_depth else ""
-        return cache_len(prompt_len, max_new_tokens, ahead, self.max_len, why, fix)
+        return cache_len(prompt_len, max_new_tokens, 2 * (self.tree.max_depth + 1), self.max_len)
 
     def _new_cache(self, batch: int, cache_len: int) -> KVCache:
         return self._created("cache", batch, cache_len)

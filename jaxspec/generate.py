@@ -4,6 +4,7 @@ itself is `jaxspec.decode.SpeculativeGenerator`; plain AR decoding is its empty 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from jaxspec.errors import JaxspecError
 
@@ -32,25 +33,24 @@ def checked_max_len(max_len: int | None, max_position: int) -> int:
     return max_len
 
 
-def cache_len(
-    prompt_len: int, max_new_tokens: int, extra: int, max_len: int, extra_why: str = "", fix=""
-) -> int:
-    """The cache length for a request that may write `extra` slots past its last kept
-    token (`extra_why` says why, `fix` adds a remedy); clear errors for empty prompts, no new
-    tokens, and requests that do not fit."""
+def cache_len(prompt_len: int, max_new_tokens: int, extra: int, max_len: int) -> int:
+    """The cache length for a request whose steps may write `extra` slots past its last
+    kept token; clear errors for empty prompts, no new tokens, and requests whose tokens do
+    not fit in `max_len` positions. The slots written ahead hold no token that is kept, so
+    they may lie past `max_len`: a request may use the model's whole context."""
     if prompt_len == 0:
         raise JaxspecError("empty prompt: pass some text (or token ids) to generate from")
-    if max_new_tokens < 1:
-        raise JaxspecError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    needed = prompt_len + max_new_tokens + extra
-    if needed > max_len:
-        slots = f" + {extra} slots {extra_why}" if extra_why else ""
+    integer = isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
+    if not integer or max_new_tokens < 1:
+        raise JaxspecError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    kept = prompt_len + max_new_tokens
+    if kept > max_len:
         raise JaxspecError(
-            f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens{slots} need {needed} "
-            f"positions, which exceeds the cache of {max_len} positions; shorten the prompt"
-            + (f", lower --max-new-tokens{fix}" if fix else " or lower --max-new-tokens")
+            f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens need {kept} positions, "
+            f"which exceeds the cache of {max_len} positions; shorten the prompt or lower "
+            "--max-new-tokens"
         )
-    return min(bucket(needed, MIN_CACHE_LEN), max_len)
+    return min(bucket(kept + extra, MIN_CACHE_LEN), max_len + extra)
 
 
 @dataclasses.dataclass

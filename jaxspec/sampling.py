@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,15 @@ def check_seed(seed) -> int:
     return seed
 
 
+# a Sampling field -> (the types it takes, its Python type, what an error calls it)
+FIELD_KINDS = {
+    "temperature": (numbers.Real, float, "a number"),
+    "top_k": (numbers.Integral, int, "an integer"),
+    "top_p": (numbers.Real, float, "a number"),
+    "typical": (bool, bool, "True or False"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1 means no nucleus.
@@ -42,6 +52,11 @@ class Sampling:
     typical: bool = False
 
     def __post_init__(self):
+        for name, (kind, make, what) in FIELD_KINDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise JaxspecError(f"--{name.replace('_', '-')} must be {what}, got {value!r}")
+            object.__setattr__(self, name, make(value))  # numpy scalars as Python's
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise JaxspecError(
                 f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"

@@ -157,6 +157,8 @@ def test_token_ids_prompt_equals_its_text(model, reference, generators):
     assert chat.encode(PROMPT) == CHAT_IDS
     assert chat.generate(CHAT_IDS, max_new_tokens=N).token_ids == reference.token_ids
     assert chat.generate(tuple(CHAT_IDS), max_new_tokens=N).token_ids == reference.token_ids
+    numpy_ids = list(np.asarray(CHAT_IDS, np.int64))  # numpy integers, as arrays hand out
+    assert chat.generate(numpy_ids, np.int32(N)).token_ids == reference.token_ids
 
     plain = jaxspec.Generator(model, "ar", chat=False)  # the text encoded as is
     ids = [5, 9, 7, 11]
@@ -288,6 +290,11 @@ def test_sampling_is_per_call_and_seeded(generators, reference):
         ({"seed": 1.5}, "seed"),
         ({"seed": True}, "seed"),
         ({"typical": True}, "--typical needs sampling"),
+        ({"top_k": 2.5}, "--top-k must be an integer, got 2.5"),
+        ({"top_k": "2"}, "--top-k must be an integer, got '2'"),
+        ({"temperature": "0.7"}, "--temperature must be a number, got '0.7'"),
+        ({"top_p": None}, "--top-p must be a number, got None"),
+        ({"temperature": 0.7, "typical": 1}, "--typical must be True or False, got 1"),
     ],
 )
 def test_bad_sampling_settings_are_refused(settings, message, generators):
@@ -306,10 +313,11 @@ def test_ppd_refuses_sampling(generators):
     "prompt, message",
     [
         ({"role": "user", "content": "w5"}, "a prompt is a str or a list of token ids"),
-        ([5.0, 9.0], "a prompt is a str or a list of token ids"),
+        ([5.0, 9.0], r"token ids are integers, got 5.0 \(float\); pass ints"),
         ([5, 101], "token id 101 is outside the vocabulary"),
         ([5, -1], "token id -1 is outside the vocabulary"),
-        ([True, 5], "a prompt is a str or a list of token ids"),
+        ([True, 5], r"token ids are integers, got True \(bool\)"),
+        (np.arange(3), "a prompt is a str or a list of token ids, got ndarray"),
         ("", "empty prompt"),
         ([], "empty prompt"),
         ([PROMPT, [5, 101]], "token id 101"),
@@ -318,6 +326,12 @@ def test_ppd_refuses_sampling(generators):
 def test_bad_prompts_are_refused(prompt, message, generators):
     with pytest.raises(jaxspec.JaxspecError, match=message):
         generators["ar"].generate(prompt, N)
+
+
+@pytest.mark.parametrize("max_new_tokens", [2.5, "5", None, True, 0])
+def test_a_bad_max_new_tokens_is_refused_before_any_work(max_new_tokens, generators):
+    with pytest.raises(jaxspec.JaxspecError, match="--max-new-tokens must be an integer >= 1"):
+        generators["medusa"].generate(PROMPT, max_new_tokens)
 
 
 def test_load_drafter(model, drafters):

@@ -60,22 +60,21 @@ CASES = [
         setup=medusa(200),
         process=True,
     ),
-    # One prompt token + 508 new ones fit the 512 positions; the tree's 2 x (2 + 1) slots
-    # do not.
+    # One prompt token + 511 new ones fill the 512 positions (the tree's 2 x (2 + 1) slots
+    # lie past them); one more does not fit.
     Case(
-        "prompt-and-tree-beyond-the-cache",
+        "prompt-and-answer-beyond-the-cache",
         "generate",
-        generate("w5", "--tree", "chain-2", "--max-new-tokens", "508"),
-        "prompt of 1 tokens + 508 new tokens + 6 slots that the steps of tree chain-2 "
-        "(3 nodes) write ahead (2 x (depth 2 + 1)) need 515 positions, which exceeds the "
-        "cache of 512 positions",
+        generate("w5", "--tree", "chain-2", "--max-new-tokens", "512"),
+        "prompt of 1 tokens + 512 new tokens need 513 positions, which exceeds the cache of "
+        "512 positions",
         setup=medusa(2),
     ),
     Case(
         "prompt-beyond-the-cache",
         "generate",
         generate("w5 w9 w7", "--max-new-tokens", "600", method="ar"),
-        "prompt of 3 tokens + 600 new tokens + 2 slots",
+        "prompt of 3 tokens + 600 new tokens need 603 positions",
     ),
 ]
 

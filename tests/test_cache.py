@@ -122,34 +122,31 @@ def test_split_bfloat16_parts_sum_exactly_to_float32():
     np.testing.assert_array_equal(p[:, 0] + p[:, 1] + p[:, 2], np.asarray(x, np.float64))
 
 
-def test_the_cache_limit_counts_the_slots_a_tree_writes_ahead():
+def test_a_request_may_fill_the_context_and_the_slots_written_ahead_lie_past_it():
     """chain-4: a step writes up to 5 slots past the last kept token, and a finished row
-    one more step (2 x 5): a 49-token prompt + 5 new tokens fills a 64-slot cache exactly,
-    and decodes as AR does with every draft accepted; one more prompt token is refused, with
-    the numbers of the real requirement."""
+    one more step (2 x 5). Those slots hold no kept token, so they may lie past the limit:
+    a 49-token prompt + 15 new tokens fill a 64-position context exactly (a 74-slot cache)
+    and decode as AR does with every draft accepted; one token more is refused, with the
+    numbers of the request."""
     from jaxspec.decode import SpeculativeGenerator
     from jaxspec.errors import JaxspecError
     from jaxspec.tree import tree_preset
     from tests.drafters import OracleDrafter
 
-    cfg = dataclasses.replace(preset("tiny-gqa"), eos_token_ids=())
+    cfg = dataclasses.replace(preset("tiny-gqa"), eos_token_ids=(), max_position=64)
     params = init_params(cfg, jax.random.key(0), scale=0.3)
     prompt = list(range(3, 52))
-    ar = SpeculativeGenerator(cfg, params).generate(prompt, 5).token_ids
+    plain = SpeculativeGenerator(cfg, params)
+    assert plain.cache_len(49, 15) == 66  # AR's 2 slots past the context
+    ar = plain.generate(prompt, 15).token_ids
     reference = jnp.asarray(prompt + ar + [0] * 8, jnp.int32)
     drafter, tree = OracleDrafter(cfg.vocab_size), tree_preset("chain-4")
-    gen = SpeculativeGenerator(cfg, params, drafter, reference, tree, max_len=64)
-    assert gen.cache_len(49, 5) == 64
-    result = gen.generate(prompt, 5)
-    assert result.token_ids == ar and result.steps == 2  # the prefill, one 5-token step
-    message = (
-        "prompt of 50 tokens + 5 new tokens + 10 slots that the steps of tree chain-4 "
-        "(5 nodes) write ahead (2 x (depth 4 + 1)) need 65 positions, which exceeds the cache "
-        "of 64 positions"
-    )
+    gen = SpeculativeGenerator(cfg, params, drafter, reference, tree)
+    assert gen.cache_len(49, 15) == 74
+    result = gen.generate(prompt, 15)
+    assert result.token_ids == ar and result.accepted == [4, 4, 4]  # every draft accepted
+    message = "prompt of 49 tokens + 16 new tokens need 65 positions, which exceeds the cache"
+    with pytest.raises(JaxspecError, match=re.escape(message + " of 64 positions")):
+        gen.generate(prompt, 16)
     with pytest.raises(JaxspecError, match=re.escape(message)):
-        gen.generate([*prompt, 7], 5)
-    with pytest.raises(
-        JaxspecError, match=re.escape("+ 2 slots that the steps of the empty tree (AR)")
-    ):
-        SpeculativeGenerator(cfg, params, max_len=64).generate([*prompt, 7], 13)
+        plain.generate(prompt, 16)

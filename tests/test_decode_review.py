@@ -194,24 +194,17 @@ def test_an_eos_inside_a_step_ends_the_answer_on_it():
 
 
 def test_the_cache_holds_two_of_the_deepest_steps_past_the_answer():
-    """chain-4 writes up to 2 x 5 slots past the last token kept: 3 + 20 new + 10 fill a
-    33-position limit exactly, one new token more is refused naming the slots and a
-    shallower tree; AR leaves 2 slots, and its message offers no shallower tree."""
+    """chain-4 writes up to 2 x 5 slots past the last token kept: 3 + 30 new fill a
+    33-position limit, in a 43-slot cache; one new token more is refused; AR leaves 2."""
     cfg, _ = tiny()
     chain = SpeculativeGenerator(cfg, None, tree=tree_preset("chain-4"), max_len=33)
-    assert chain.cache_len(3, 20) == 33
-    ahead = (
-        r"\+ 21 new tokens \+ 10 slots that the steps of tree chain-4 \(5 nodes\) write ahead "
-        r"\(2 x \(depth 4 \+ 1\)\) need 34 positions.*--max-new-tokens or use a shallower tree$"
-    )
-    with pytest.raises(JaxspecError, match=ahead):
-        chain.cache_len(3, 21)
+    assert chain.cache_len(3, 30) == 43
+    with pytest.raises(JaxspecError, match=r"\+ 31 new tokens need 34 positions.*of 33 positions"):
+        chain.cache_len(3, 31)
     ar = SpeculativeGenerator(cfg, None, max_len=25)
-    assert ar.cache_len(3, 20) == 25
-    with pytest.raises(
-        JaxspecError, match=r"\+ 2 slots .* need 26 .*prompt or lower --max-new-tokens$"
-    ):
-        ar.cache_len(3, 21)
+    assert ar.cache_len(3, 22) == 27
+    with pytest.raises(JaxspecError, match=r"need 26 .*prompt or lower --max-new-tokens$"):
+        ar.cache_len(3, 23)
 
 
 def test_a_chunk_reads_the_cache_in_blocks():

@@ -93,7 +93,7 @@ def test_bad_lengths_are_clear_errors(tiny):
         gen.generate([], 5)
     with pytest.raises(JaxspecError, match="exceeds the cache of 64 positions; shorten the prompt"):
         gen.generate(list(range(3, 63)), 10)
-    with pytest.raises(JaxspecError, match="max-new-tokens must be >= 1"):
+    with pytest.raises(JaxspecError, match="max-new-tokens must be an integer >= 1"):
         gen.generate([4], 0)
     with pytest.raises(JaxspecError, match=f"outside the model's context of {cfg.max_position}"):
         SpeculativeGenerator(cfg, params, max_len=cfg.max_position + 1)
@@ -102,13 +102,14 @@ def test_bad_lengths_are_clear_errors(tiny):
 
 
 def test_a_request_that_fills_the_cache_exactly_fits():
-    """3 prompt tokens + 507 new + 2 slots are the 512 positions: they fit, one more does
-    not; the cache is the request's bucket, cut to the limit."""
-    assert cache_len(3, 507, 2, 512) == 512
+    """3 prompt tokens + 509 new are the 512 positions: they fit, with the 2 slots written
+    ahead past them; one more does not; the cache is the request's bucket, cut to the limit
+    and those slots."""
+    assert cache_len(3, 509, 2, 512) == 514
     with pytest.raises(JaxspecError, match="need 513 positions"):
-        cache_len(3, 508, 2, 512)
+        cache_len(3, 510, 2, 512)
     assert cache_len(3, 10, 2, 512) == 128  # the smallest cache
-    assert cache_len(3, 100, 2, 110) == 110  # bucket 128, past the limit
+    assert cache_len(3, 100, 2, 110) == 112  # bucket 128, past the limit
 
 
 def test_rates_leave_compilation_out():
