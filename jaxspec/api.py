@@ -151,6 +151,11 @@ class Generator:
         `result` holds the whole GenerationResult once it is exhausted."""
         if _is_batch(prompt):
             raise JaxspecError("stream takes one prompt; use generate for a batch")
+        if self.model.tokenizer is None:
+            raise JaxspecError(
+                f"stream yields text and the model at {self.model.path} has no tokenizer; use "
+                "generate (its token_ids), or a model folder with one"
+            )
         ids = self.encode(prompt)
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
         return Stream(self, decoder, ids, max_new_tokens, check_seed(seed))

@@ -14,7 +14,10 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]], chat: bool = 
     if not any(m["content"].strip() for m in messages):
         raise JaxspecError("empty prompt: pass some text to generate from")
     if tokenizer is None:
-        raise JaxspecError("this checkpoint has no tokenizer; convert it from a folder with one")
+        raise JaxspecError(
+            "the model has no tokenizer to encode text with: pass token ids, or use a model "
+            "folder (or .gguf) that holds one"
+        )
     return _encode(tokenizer, messages, chat, reply_next=True)
 
 

@@ -6,6 +6,7 @@ and careless inputs end in a JaxspecError."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -326,6 +327,15 @@ def test_ppd_refuses_sampling(generators):
 def test_bad_prompts_are_refused(prompt, message, generators):
     with pytest.raises(jaxspec.JaxspecError, match=message):
         generators["ar"].generate(prompt, N)
+
+
+def test_a_model_without_a_tokenizer_takes_ids_and_refuses_text(model, reference):
+    bare = jaxspec.Generator(dataclasses.replace(model, tokenizer=None), "ar")
+    assert bare.generate(CHAT_IDS, N).token_ids == reference.token_ids
+    with pytest.raises(jaxspec.JaxspecError, match="has no tokenizer: pass token ids"):
+        bare.generate(PROMPT, N)
+    with pytest.raises(jaxspec.JaxspecError, match="stream yields text and the model"):
+        bare.stream(CHAT_IDS, N)
 
 
 @pytest.mark.parametrize("max_new_tokens", [2.5, "5", None, True, 0])

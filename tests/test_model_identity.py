@@ -63,7 +63,7 @@ def test_an_hf_folders_name_is_its_configs_else_the_folders(tmp_path):
 
 def model(key: int = 0, params=None, path="m") -> SimpleNamespace:
     params = init_params(CFG, jax.random.key(key)) if params is None else params
-    return SimpleNamespace(cfg=CFG, params=params, path=Path(path), mesh=None)
+    return SimpleNamespace(cfg=CFG, params=params, path=Path(path), mesh=None, tokenizer=object())
 
 
 def test_a_fingerprint_is_the_weights_not_their_dtype_layout_or_mesh():
@@ -95,7 +95,7 @@ def test_a_folder_from_before_stamps_is_stamped_by_its_next_run(tmp_path):
     assert json.loads((tmp_path / STAMP).read_text())["fingerprint"] == fingerprint(model())
 
 
-def test_train_claims_its_shared_folder_before_the_run(tmp_path, monkeypatch):
+def test_train_claims_its_shared_folder_and_needs_a_tokenizer(tmp_path, monkeypatch):
     from tests.test_train_plumbing import Counting
     from train import skeleton
     from train.args import parse, trainer_parser
@@ -109,3 +109,7 @@ def test_train_claims_its_shared_folder_before_the_run(tmp_path, monkeypatch):
     with pytest.raises(JaxspecError, match="another model"):
         skeleton.train(Counting, parse(trainer_parser("medusa", None), argv))
     assert seen == [tmp_path / "work"]
+    bare = SimpleNamespace(**{**vars(model()), "tokenizer": None})
+    monkeypatch.setattr(skeleton, "load_model", lambda path, mesh: bare)
+    with pytest.raises(JaxspecError, match="has no tokenizer, and training encodes prompts"):
+        skeleton.train(Counting, parse(trainer_parser("medusa", None), ["--work-dir", "w2"]))

@@ -20,7 +20,9 @@ from train.checkpoints import command_flags, initial_params, run_name
 from train.optim import apply_grads
 from train.skeleton import Result, Trainer
 
-MODEL = SimpleNamespace(cfg=SimpleNamespace(name="tiny", folder_name="tiny"), mesh=None)
+MODEL = SimpleNamespace(
+    cfg=SimpleNamespace(name="tiny", folder_name="tiny"), mesh=None, tokenizer=object()
+)
 
 
 class Counting(Trainer):

@@ -226,7 +226,13 @@ def train(kind: type[Trainer], args) -> dict:
         provide_devices(shape["data"] * shape["model"])
     # Where compiles are slow, a resumed run loads its programs instead of compiling them.
     with compile_cache(default_dir() if compiles_are_slow() else None):
-        trainer = kind(args, load_model(args.model, mesh=shape and make_mesh(shape)))
+        model = load_model(args.model, mesh=shape and make_mesh(shape))
+        if model.tokenizer is None:
+            raise JaxspecError(
+                f"the model at {model.path} has no tokenizer, and training encodes prompts "
+                "with it: train from a model folder (or .gguf) that holds one"
+            )
+        trainer = kind(args, model)
         work = args.work_dir or trainer.default_work()
         with training_run(args, work, trainer.default_out()) as out:
             claim(trainer.shared, trainer.model)
