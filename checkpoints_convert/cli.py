@@ -55,12 +55,23 @@ def _main(argv) -> None:
     out = args.out or (default_model_dir() if args.src is None else None)
     if out is None:
         raise JaxspecError("--out DIR is required when SRC is given")
+    own = args.src is None and args.out is None  # the cache folder, not a user's
+    if own and args.to != "jaxspec":
+        raise JaxspecError(
+            f"--to {args.to} without SRC needs --out DIR: the model cache holds the default "
+            "model as a jaxspec checkpoint, which every tool reads"
+        )
+    if own and args.dtype and is_checkpoint(out) and not args.overwrite:
+        raise JaxspecError(
+            f"the model cache already holds the default model ({out}); --dtype {args.dtype} "
+            "would replace it for every tool: pass --out DIR for a copy in that dtype (tools "
+            "cast the weights when they load them: --dtype there), or --overwrite"
+        )
     if args.if_missing and args.to == "jaxspec" and is_checkpoint(out):
         print(f"checkpoint already at {out}")
         return
     # The default model's folder is jaxspec's own cache: a conversion cut short is redone.
     what = "--out" if args.out else "the model cache ($JAXSPEC_HOME)"
-    own = args.src is None and args.out is None  # the cache folder, not a user's
     check_output_dir(out, [src], overwrite=args.overwrite or own, what=what)
     start = time.perf_counter()
     convert(src, out, args.to, name=None if args.src else DEFAULT_MODEL_NAME, dtype=args.dtype)

@@ -209,6 +209,27 @@ def test_convert_if_missing_leaves_a_checkpoint_alone(tiny_ckpt, tmp_path, capsy
     assert {p: p.read_bytes() for p in ckpt.iterdir()} == before
 
 
+def test_convert_without_src_keeps_the_model_cache_a_jaxspec_checkpoint(
+    tiny_ckpt, tmp_path, monkeypatch, capsys
+):
+    """`jaxspec-convert --to hf` once wrote HF files over the cache's checkpoint, and
+    `--dtype` replaced the model every tool reads; both need an --out (or --overwrite)."""
+    import shutil
+
+    from checkpoints_convert.cli import main as convert_main
+    from jaxspec.checkpoint import default_model_dir
+
+    monkeypatch.setenv("JAXSPEC_HOME", str(tmp_path / "home"))
+    cache = default_model_dir()
+    shutil.copytree(tiny_ckpt[0], cache)
+    before = {p: p.read_bytes() for p in cache.iterdir()}
+    err = one_line_error(convert_main, ["--to", "hf"], capsys)
+    assert "--to hf without SRC needs --out DIR" in err
+    err = one_line_error(convert_main, ["--dtype", "bfloat16"], capsys)
+    assert "already holds the default model" in err and "--overwrite" in err
+    assert {p: p.read_bytes() for p in cache.iterdir()} == before
+
+
 def test_generate_missing_model(tmp_path, capsys):
     err = one_line_error(generate_main, ["--model", str(tmp_path / "none"), "hi"], capsys)
     assert "no model at" in err and "jaxspec-convert" in err
