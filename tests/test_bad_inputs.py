@@ -376,6 +376,21 @@ def test_overwrite_lets_a_tool_into_a_folder_holding_files(tmp_path):
     check_output_dir(tmp_path / "out", [tmp_path / "src"], overwrite=True)
 
 
+def test_files_written_whole_take_the_umasks_mode(tmp_path):
+    """(mkstemp's 0600 once reached every result, model and drafter written atomically.)"""
+    import os
+
+    from jaxspec.outputs import save_npz, write_text
+
+    old = os.umask(0o027)
+    try:
+        write_text(tmp_path / "a.md", "x")
+        save_npz(tmp_path / "b.npz", {"x": np.zeros(2)})
+    finally:
+        os.umask(old)
+    assert {(tmp_path / f).stat().st_mode & 0o777 for f in ("a.md", "b.npz")} == {0o640}
+
+
 def test_bench_default_out_takes_a_free_name(tmp_path, monkeypatch):
     """The default FILE never replaces an earlier run's files: it takes the next number."""
     from infer.bench import output_paths
