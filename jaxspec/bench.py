@@ -42,6 +42,12 @@ def check_rows(rows: list[str]) -> list[str]:
     """The rows to run, "ar" first, each checked (one-line errors for bad names)."""
     if not rows:
         raise JaxspecError("--methods names no rows; give some, e.g. --methods ar,medusa")
+    twice = sorted({m for m in rows if rows.count(m) > 1})
+    if twice:
+        raise JaxspecError(
+            f"--methods names {twice[0]} twice; name each row once (another drafter of a "
+            "method: a row METHOD#LABEL with --drafter METHOD#LABEL=DIR)"
+        )
     for m in rows:
         if m not in PEERS:
             _, _, dtype = parse_row(m)

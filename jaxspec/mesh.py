@@ -38,14 +38,16 @@ MAX_MESH_DEVICES = 1 << 16  # far past any machine (a TPU v5p pod: 8960 chips)
 
 def parse_mesh(text: str) -> dict[str, int]:
     """ "data=2,model=4" (either may be left out: 1) -> {"data": 2, "model": 4}."""
-    shape = dict.fromkeys(MESH_AXES, 1)
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    shape, given = dict.fromkeys(MESH_AXES, 1), []
+    parts = [p.strip() for p in text.split(",") if p.strip()]  # a trailing comma: as typed
+    for part in parts or [""]:
         name, _, size = part.partition("=")
-        if name not in MESH_AXES or not size.isdigit() or int(size) < 1:
+        if name not in MESH_AXES or not size.isdigit() or int(size) < 1 or name in given:
             raise JaxspecError(
-                f"--mesh {text!r}: expected AXIS=N pairs with AXIS in {', '.join(MESH_AXES)} "
-                "and N >= 1, e.g. --mesh data=1,model=2"
+                f"--mesh {text!r}: expected AXIS=N pairs, each AXIS of {', '.join(MESH_AXES)} "
+                "at most once and N >= 1, e.g. --mesh data=1,model=2"
             )
+        given.append(name)
         shape[name] = int(size)
     if (n := math.prod(shape.values())) > MAX_MESH_DEVICES:
         raise JaxspecError(

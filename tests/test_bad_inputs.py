@@ -168,6 +168,14 @@ CASES = [
         questions({"question_id": 1, "turns": ["w5"]}),
     ),
     Case("per-category-zero", "bench", bench("--per-category", "0"), "--per-category"),
+    Case("bench-row-twice", "bench", bench("--methods", "ar,lookup,lookup"), "names lookup twice"),
+    Case("mesh-axis-twice", "generate", gen("--mesh", "model=2,model=4", PROMPT), "at most once"),
+    Case(
+        "typical-on-ar",
+        "generate",
+        gen("--method", "ar", "--typical", "--temperature", "1", PROMPT),
+        "--method ar drafts none",
+    ),
     Case(
         "qwen2-window-on-some-layers",
         "convert",

@@ -52,7 +52,7 @@ MESHES = {"1x2": (1, 2), "2x2": (2, 2), "1x4": (1, 4), "2x1": (2, 1)}
 def test_parse_mesh():
     assert parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
     assert parse_mesh("model=3") == {"data": 1, "model": 3}
-    for bad in ("model=0", "tensor=2", "model=x", "model"):
+    for bad in ("model=0", "tensor=2", "model=x", "model", "model=2,model=4", "", " , "):
         with pytest.raises(JaxspecError, match="expected AXIS=N pairs"):
             parse_mesh(bad)
     assert parse_mesh(" data=2 , model=4 ,") == {"data": 2, "model": 4}  # as typed
