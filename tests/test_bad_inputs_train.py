@@ -54,6 +54,11 @@ CASES = [
     Case("train-seqs-negative", "train", tiny_args("medusa", "--train-seqs", "-3"),
          "--train-seqs: must be at least 1, got -3"),
     Case("steps-0", "train", tiny_args("chimera", "--steps", "0"), "--steps: must be at least 1"),
+    # paths read late (after the answers are made) are checked first
+    Case("init-missing", "train", tiny_args("medusa", "--init", lambda f, c: f / "none"),
+         "none: no drafter there (needs drafter.json and drafter.safetensors)"),
+    Case("eval-questions-missing", "train",
+         tiny_args("eagle", "--eval-questions", lambda f, c: f / "q.jsonl"), "q.jsonl"),
     Case("seed-too-big", "train", tiny_args("sdsat", "--seed", str(2**64)), "--seed: a seed is"),
     Case("lr-inf", "train", tiny_args("firp", "--lr", "inf"), "--lr: 'inf' is not a finite"),
     Case("layers-text", "train", tiny_args("firp", "--layers", "1,two"),

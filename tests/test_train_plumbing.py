@@ -15,7 +15,7 @@ import pytest
 
 from jaxspec.errors import JaxspecError
 from train import checkpoints, skeleton
-from train.args import parse, trainer_parser, training_run
+from train.args import UNFINISHED, parse, trainer_parser, training_run
 from train.checkpoints import command_flags, initial_params, run_name
 from train.optim import apply_grads
 from train.skeleton import Result, Trainer
@@ -118,6 +118,28 @@ def test_max_minutes_saves_stops_and_a_rerun_goes_on_and_adds_the_minutes(fit, c
     again, rerun = fit("--steps", "3")  # finished: nothing trains, the record is reported
     assert again.ran == [] and rerun["aux"] is None
     assert rerun["train_minutes"] == 4.0 and rerun["w"] == report["w"]
+
+
+def test_a_run_killed_while_it_writes_its_drafter_finishes_when_rerun(fit, monkeypatch, tmp_path):
+    """A kill after the last step (writing or measuring the drafter) leaves --out holding
+    files; the same command may finish that folder, another run may not."""
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(skeleton, "measure_acceptance", killed)
+    with pytest.raises(KeyboardInterrupt):
+        fit("--steps", "4")
+    out = tmp_path / "out"
+    assert (out / UNFINISHED).is_file()
+    argv = ["--work-dir", str(tmp_path / "work"), "--save-every", "3", "--steps", "4"]
+    parse(trainer_parser("medusa", None), [*argv, "--out", str(out)])  # the same run
+    with pytest.raises(JaxspecError, match="is not empty; pass --overwrite"):
+        parse(trainer_parser("medusa", None), [*argv, "--out", str(out), "--lr", "0.5"])
+    monkeypatch.setattr(skeleton, "measure_acceptance", lambda *args: {"chain-1": 1.5})
+    trainer, report = fit("--steps", "4")
+    assert trainer.ran == [] and report["accepted_per_step"] == {"chain-1": 1.5}
+    assert not (out / UNFINISHED).exists()
 
 
 def test_the_run_record_keeps_what_each_invocation_measured(tmp_path):

@@ -18,6 +18,9 @@ from jaxspec.cli import (
     positive_int,
     seed,
 )
+from jaxspec.data.sources import load_questions
+from jaxspec.drafters.store import META, WEIGHTS
+from jaxspec.errors import JaxspecError
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 
 from .checkpoints import run_name
@@ -114,15 +117,31 @@ def parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     """The trainer's arguments, with the folders given checked before anything loads."""
     args = p.parse_args(argv)
     check_folders(args, args.out, args.work_dir)
+    init = getattr(args, "init", None)
+    if init is not None and not all((init / f).is_file() for f in (META, WEIGHTS)):
+        raise JaxspecError(
+            f"--init {init}: no drafter there (needs {META} and {WEIGHTS}); pass a drafter "
+            "folder of this method, e.g. drafters/<model>/<method>"
+        )
+    if getattr(args, "eval_questions", None):
+        load_questions(args.eval_questions)  # a missing or malformed file: one line, now
     return args
 
 
+# In --out while a run writes its drafter and measures it: the run's name (run_name), so
+# that the same command, rerun after a kill there, may finish the folder.
+UNFINISHED = ".unfinished-run"
+
+
 def check_folders(args, out: Path | None, work: Path | None) -> None:
-    """`out` is writable, not the model's folder, and empty unless --overwrite or it is the
-    run's own default folder; `work` is writable."""
+    """`out` is writable, not the model's folder, and empty unless --overwrite, it is the
+    run's own default folder, or this run was writing it when it stopped; `work` is
+    writable."""
     if out is not None:
         model = args.model or default_model_dir()
-        check_output_dir(out, [model], overwrite=args.overwrite or args.out is None)
+        mark = Path(out) / UNFINISHED
+        unfinished = mark.is_file() and mark.read_text().strip() == run_name(args)
+        check_output_dir(out, [model], overwrite=args.overwrite or args.out is None or unfinished)
     if work is not None:
         check_writable_dir(work, "--work-dir")
 

@@ -35,10 +35,11 @@ from jaxspec.errors import JaxspecError
 from jaxspec.mesh import make_mesh, parse_mesh
 from jaxspec.methods import provide_devices
 from jaxspec.models import load_model
+from jaxspec.outputs import write_text
 
 from .acceptance import measure_acceptance
-from .args import default_out, training_run
-from .checkpoints import initial_params, resume_training, run_record, save
+from .args import UNFINISHED, default_out, training_run
+from .checkpoints import initial_params, resume_training, run_name, run_record, save
 from .features import answer_features, self_answers
 from .model_stamp import claim, training_folder
 
@@ -168,6 +169,8 @@ class Trainer:
         self.first_step = int(state["step"])
         state, aux = self.fit(manager, state)
         manager.wait_until_finished()
+        mark = out / UNFINISHED  # until the folder is whole: a rerun may finish it
+        write_text(mark, run_name(self.args))
         result = self.finish(state, aux)
         self.save(result)
         report = result.report
@@ -175,6 +178,7 @@ class Trainer:
             report["accepted_per_step"] = measure_acceptance(
                 self.model, self.method, out, result.settings, result.measure_on
             )
+        mark.unlink()
         print(json.dumps(report, indent=2))
         print(self.wrote.format(out=out))
         return report
