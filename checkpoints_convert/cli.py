@@ -55,6 +55,9 @@ def _main(argv) -> None:
     out = args.out or (default_model_dir() if args.src is None else None)
     if out is None:
         raise JaxspecError("--out DIR is required when SRC is given")
+    if args.if_missing and args.to == "jaxspec" and is_checkpoint(out):
+        print(f"checkpoint already at {out}")
+        return
     own = args.src is None and args.out is None  # the cache folder, not a user's
     if own and args.to != "jaxspec":
         raise JaxspecError(
@@ -67,9 +70,6 @@ def _main(argv) -> None:
             "would replace it for every tool: pass --out DIR for a copy in that dtype (tools "
             "cast the weights when they load them: --dtype there), or --overwrite"
         )
-    if args.if_missing and args.to == "jaxspec" and is_checkpoint(out):
-        print(f"checkpoint already at {out}")
-        return
     # The default model's folder is jaxspec's own cache: a conversion cut short is redone.
     what = "--out" if args.out else "the model cache ($JAXSPEC_HOME)"
     check_output_dir(out, [src], overwrite=args.overwrite or own, what=what)

@@ -87,7 +87,9 @@ def parse_args(argv=None):
         "AMX and GPUs, and is a slightly different model (docs/design.md, Precision)",
     )
     p.add_argument(
-        "--max-len", type=positive_int, help="cache length limit (default: the model's context)"
+        "--max-len",
+        type=positive_int,
+        help="the most positions a prompt and its answer may take (default: the model's context)",
     )
     p.add_argument(
         "--mesh", type=mesh_shape,

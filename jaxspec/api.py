@@ -21,7 +21,7 @@ from pathlib import Path
 
 from jaxspec.drafters import registry
 from jaxspec.errors import JaxspecError
-from jaxspec.generate import GenerationResult
+from jaxspec.generate import GenerationResult, checked_new_tokens
 from jaxspec.methods import build_generator, shipped_drafter
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling, check_seed
@@ -34,13 +34,13 @@ class Generator:
     """Speculative (or plain, method="ar") generation with one method's drafter.
 
     drafter: a drafter folder (None: the one shipped for the model); tree: a tree preset or
-    one the drafter ships (None: the method's default for this backend); max_len: cache
-    length limit (None: the model's context); products: how bfloat16 weights multiply,
-    "exact", "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS; None: the backend's
-    default, plain-prefill on a GPU, else exact). ppd_k /
-    ppd_layer, firp_chains, sdsat_loop and retrieval (medusa, firp, chimera and eagle with a
-    dynamic tree: that many of lookup's continuations join its candidates, scored by the
-    higher of their own confidence and the drafter's) are those methods' options
+    one the drafter ships (None: the method's default for this backend); max_len: the most
+    positions a prompt and its answer may take (None: the model's context); products: how
+    bfloat16 weights multiply, "exact", "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS;
+    None: the backend's default, plain-prefill on a GPU, else exact). ppd_k / ppd_layer,
+    firp_chains, sdsat_loop and retrieval (medusa, firp, chimera and eagle with a dynamic tree:
+    that many of lookup's continuations join its candidates, scored by the higher of their
+    own confidence and the drafter's) are those methods' options
     (see `jaxspec-generate --help`). PPD pipelines over ppd_k + 1 devices; with fewer (a CPU
     process has one unless XLA_FLAGS=--xla_force_host_platform_device_count=4 is set before
     jax starts; `import jaxspec` does not start it) its sub-processes share them: the same
@@ -76,6 +76,11 @@ class Generator:
         self._decoder(Sampling())  # a bad drafter, tree or option fails here, not later
 
     def _decoder(self, sampling: Sampling):
+        if sampling.typical and self.method == "ar":  # (a bench's ar row samples plainly)
+            raise JaxspecError(
+                "--typical accepts drafted tokens, and --method ar drafts none: pick a method "
+                "that drafts, or drop --typical"
+            )
         with self._building:
             if sampling not in self._built:
                 self._built[sampling] = build_generator(
@@ -130,6 +135,7 @@ class Generator:
         batch = _is_batch(prompts)
         ids = [self.encode(p) for p in (prompts if batch else [prompts])]
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
+        max_new_tokens = checked_new_tokens(max_new_tokens)
         results = [
             dataclasses.replace(r, text=self._decode_text(r.token_ids))
             for r in decoder.generate_batch(ids, max_new_tokens, seed)
@@ -158,6 +164,7 @@ class Generator:
             )
         ids = self.encode(prompt)
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
+        max_new_tokens = checked_new_tokens(max_new_tokens)
         return Stream(self, decoder, ids, max_new_tokens, check_seed(seed))
 
 

@@ -53,7 +53,7 @@ def check_rows(rows: list[str]) -> list[str]:
             _, _, dtype = parse_row(m)
             if dtype and dtype not in DTYPES:
                 raise JaxspecError(f"{m}: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return ["ar"] + [m for m in dict.fromkeys(rows) if m != "ar"]
+    return ["ar"] + [m for m in rows if m != "ar"]
 
 
 def run_benchmark(

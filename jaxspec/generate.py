@@ -21,8 +21,9 @@ def bucket(n: int, minimum: int) -> int:
 
 
 def checked_max_len(max_len: int | None, max_position: int) -> int:
-    """The cache length limit: `max_len`, else the model's context `max_position`; a limit
-    past that context (positions the model was never trained on) is a clear error."""
+    """The positions a prompt and its answer may take: `max_len`, else the model's context
+    `max_position`; a limit past that context (positions the model was never trained on) is
+    a clear error."""
     if max_len is None:
         return max_position
     if not 1 <= max_len <= max_position:
@@ -33,6 +34,14 @@ def checked_max_len(max_len: int | None, max_position: int) -> int:
     return max_len
 
 
+def checked_new_tokens(max_new_tokens) -> int:
+    """max_new_tokens as a Python int (numpy's taken), else a one-line error."""
+    integer = isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
+    if not integer or max_new_tokens < 1:
+        raise JaxspecError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+    return int(max_new_tokens)
+
+
 def cache_len(prompt_len: int, max_new_tokens: int, extra: int, max_len: int) -> int:
     """The cache length for a request whose steps may write `extra` slots past its last
     kept token; clear errors for empty prompts, no new tokens, and requests whose tokens do
@@ -40,14 +49,11 @@ def cache_len(prompt_len: int, max_new_tokens: int, extra: int, max_len: int) ->
     they may lie past `max_len`: a request may use the model's whole context."""
     if prompt_len == 0:
         raise JaxspecError("empty prompt: pass some text (or token ids) to generate from")
-    integer = isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
-    if not integer or max_new_tokens < 1:
-        raise JaxspecError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
-    kept = prompt_len + max_new_tokens
+    kept = prompt_len + checked_new_tokens(max_new_tokens)
     if kept > max_len:
         raise JaxspecError(
             f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens need {kept} positions, "
-            f"which exceeds the cache of {max_len} positions; shorten the prompt or lower "
+            f"which exceeds the limit of {max_len} positions; shorten the prompt or lower "
             "--max-new-tokens"
         )
     return min(bucket(kept + extra, MIN_CACHE_LEN), max_len + extra)

@@ -40,15 +40,16 @@ def parse_mesh(text: str) -> dict[str, int]:
     """ "data=2,model=4" (either may be left out: 1) -> {"data": 2, "model": 4}."""
     shape, given = dict.fromkeys(MESH_AXES, 1), []
     parts = [p.strip() for p in text.split(",") if p.strip()]  # a trailing comma: as typed
-    for part in parts or [""]:
-        name, _, size = part.partition("=")
+    for name, _, size in (part.partition("=") for part in parts):
         if name not in MESH_AXES or not size.isdigit() or int(size) < 1 or name in given:
-            raise JaxspecError(
-                f"--mesh {text!r}: expected AXIS=N pairs, each AXIS of {', '.join(MESH_AXES)} "
-                "at most once and N >= 1, e.g. --mesh data=1,model=2"
-            )
+            break
         given.append(name)
         shape[name] = int(size)
+    if not parts or len(given) < len(parts):
+        raise JaxspecError(
+            f"--mesh {text!r}: expected AXIS=N pairs, each AXIS of {', '.join(MESH_AXES)} at "
+            "most once and N >= 1, e.g. --mesh data=1,model=2"
+        )
     if (n := math.prod(shape.values())) > MAX_MESH_DEVICES:
         raise JaxspecError(
             f"--mesh {text!r} asks for {n} devices; a mesh holds at most {MAX_MESH_DEVICES}: "

@@ -164,11 +164,6 @@ def build_generator(
     check_options(m, tree, drafter_dir, **options)
     if sampling is not None:
         sampling.check_vocabulary(model.cfg.vocab_size)
-        if sampling.typical and m.name == "ar":
-            raise JaxspecError(
-                "--typical accepts drafted tokens, and --method ar drafts none: pick a method "
-                "that drafts, or drop --typical"
-            )
     options = {k: v for k, v in options.items() if v is not None}
     drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
     return m.load(m.builder)(model, m, drafter_dir, tree, sampling, max_len, products, options)

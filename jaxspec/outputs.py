@@ -15,6 +15,9 @@ import numpy as np
 
 from jaxspec.errors import JaxspecError
 
+UMASK = os.umask(0o022)  # the process's umask (reading it sets it: set back at once, at import)
+os.umask(UMASK)
+
 
 def _nearest_existing(path: Path) -> Path:
     path = path.absolute()
@@ -86,16 +89,10 @@ def atomic_path(path: Path) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it, not mkstemp's 0600
+        os.chmod(tmp, 0o666 & ~UMASK)  # as open() would make it, not mkstemp's 0600
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask sets it: set it back at once
-    os.umask(mask)
-    return mask
 
 
 def save_npz(path: Path, data: dict) -> None:

@@ -13,6 +13,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.errors import JaxspecError
 
@@ -33,7 +34,7 @@ FIELD_KINDS = {
     "temperature": (numbers.Real, float, "a number"),
     "top_k": (numbers.Integral, int, "an integer"),
     "top_p": (numbers.Real, float, "a number"),
-    "typical": (bool, bool, "True or False"),
+    "typical": ((bool, np.bool_), bool, "True or False"),
 }
 
 
@@ -54,7 +55,8 @@ class Sampling:
     def __post_init__(self):
         for name, (kind, make, what) in FIELD_KINDS.items():
             value = getattr(self, name)
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            flag = isinstance(value, (bool, np.bool_))
+            if not isinstance(value, kind) or (flag and name != "typical"):
                 raise JaxspecError(f"--{name.replace('_', '-')} must be {what}, got {value!r}")
             object.__setattr__(self, name, make(value))  # numpy scalars as Python's
         if not math.isfinite(self.temperature) or self.temperature < 0:

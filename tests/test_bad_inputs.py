@@ -384,18 +384,18 @@ def test_overwrite_lets_a_tool_into_a_folder_holding_files(tmp_path):
     check_output_dir(tmp_path / "out", [tmp_path / "src"], overwrite=True)
 
 
-def test_files_written_whole_take_the_umasks_mode(tmp_path):
+def test_files_written_whole_take_the_umasks_mode(tmp_path, monkeypatch):
     """(mkstemp's 0600 once reached every result, model and drafter written atomically.)"""
     import os
 
-    from jaxspec.outputs import save_npz, write_text
+    from jaxspec import outputs
 
-    old = os.umask(0o027)
-    try:
-        write_text(tmp_path / "a.md", "x")
-        save_npz(tmp_path / "b.npz", {"x": np.zeros(2)})
-    finally:
-        os.umask(old)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert mask == outputs.UMASK  # read at import
+    monkeypatch.setattr(outputs, "UMASK", 0o027)
+    outputs.write_text(tmp_path / "a.md", "x")
+    outputs.save_npz(tmp_path / "b.npz", {"x": np.zeros(2)})
     assert {(tmp_path / f).stat().st_mode & 0o777 for f in ("a.md", "b.npz")} == {0o640}
 
 

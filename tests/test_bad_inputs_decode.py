@@ -66,7 +66,7 @@ CASES = [
         "prompt-and-answer-beyond-the-cache",
         "generate",
         generate("w5", "--tree", "chain-2", "--max-new-tokens", "512"),
-        "prompt of 1 tokens + 512 new tokens need 513 positions, which exceeds the cache of "
+        "prompt of 1 tokens + 512 new tokens need 513 positions, which exceeds the limit of "
         "512 positions",
         setup=medusa(2),
     ),

@@ -145,7 +145,7 @@ def test_a_request_may_fill_the_context_and_the_slots_written_ahead_lie_past_it(
     assert gen.cache_len(49, 15) == 74
     result = gen.generate(prompt, 15)
     assert result.token_ids == ar and result.accepted == [4, 4, 4]  # every draft accepted
-    message = "prompt of 49 tokens + 16 new tokens need 65 positions, which exceeds the cache"
+    message = "prompt of 49 tokens + 16 new tokens need 65 positions, which exceeds the limit"
     with pytest.raises(JaxspecError, match=re.escape(message + " of 64 positions")):
         gen.generate(prompt, 16)
     with pytest.raises(JaxspecError, match=re.escape(message)):

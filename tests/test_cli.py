@@ -175,7 +175,7 @@ def test_ppd_asks_for_k_plus_1_devices_of_the_model_split_each(monkeypatch):
     "argv, message",
     [
         (["--method", "nope", "w5"], "unknown method 'nope'"),
-        (["--max-len", "16", "w5 " * 20], "exceeds the cache of 16 positions"),
+        (["--max-len", "16", "w5 " * 20], "exceeds the limit of 16 positions"),
         (["--max-len", "100000", "w5"], "--max-len 100000 is outside the model's context"),
         (["   "], "empty prompt"),
         (["--top-p", "0", "w5"], "argument --top-p: must be in (0, 1]"),

@@ -91,7 +91,7 @@ def test_bad_lengths_are_clear_errors(tiny):
     gen = SpeculativeGenerator(cfg, params, max_len=64)
     with pytest.raises(JaxspecError, match="empty prompt"):
         gen.generate([], 5)
-    with pytest.raises(JaxspecError, match="exceeds the cache of 64 positions; shorten the prompt"):
+    with pytest.raises(JaxspecError, match="exceeds the limit of 64 positions; shorten the prompt"):
         gen.generate(list(range(3, 63)), 10)
     with pytest.raises(JaxspecError, match="max-new-tokens must be an integer >= 1"):
         gen.generate([4], 0)
@@ -121,6 +121,11 @@ def test_rates_leave_compilation_out():
 def test_bucket():
     sizes = (1, 16, 17, 24, 25, 33, 48, 49, 100, 200)
     assert [bucket(n, 16) for n in sizes] == [16, 16, 24, 24, 32, 48, 48, 64, 128, 256]
+
+
+def test_sampling_takes_numpy_scalars_as_pythons():
+    s = Sampling(np.float64(0.5), np.int64(3), np.float64(0.9), np.True_)
+    assert s == Sampling(0.5, 3, 0.9, True) and (type(s.top_k), type(s.typical)) == (int, bool)
 
 
 def test_sampling_is_reproducible(tiny):

@@ -92,7 +92,7 @@ def test_program_count_does_not_grow_with_prompt_length():
 
 def test_too_long_prompts_stay_one_line_errors():
     gen = generator("ar", 16)
-    with pytest.raises(JaxspecError, match="exceeds the cache of 256 positions"):
+    with pytest.raises(JaxspecError, match="exceeds the limit of 256 positions"):
         gen.generate(list(range(3, 97)) * 3, 10)
 
 

@@ -112,4 +112,6 @@ def test_train_claims_its_shared_folder_and_needs_a_tokenizer(tmp_path, monkeypa
     bare = SimpleNamespace(**{**vars(model()), "tokenizer": None})
     monkeypatch.setattr(skeleton, "load_model", lambda path, mesh: bare)
     with pytest.raises(JaxspecError, match="has no tokenizer, and training encodes prompts"):
-        skeleton.train(Counting, parse(trainer_parser("medusa", None), ["--work-dir", "w2"]))
+        skeleton.train(
+            Counting, parse(trainer_parser("medusa", None), ["--work-dir", str(tmp_path / "w2")])
+        )

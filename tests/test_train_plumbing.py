@@ -108,13 +108,15 @@ def test_a_killed_run_saved_only_on_the_interval(fit):
     assert resumed.ran == [3, 4, 5, 6]
 
 
-def test_max_minutes_saves_stops_and_a_rerun_goes_on_and_adds_the_minutes(fit, capsys):
+def test_max_minutes_saves_stops_and_a_rerun_goes_on_and_adds_the_minutes(fit, capsys, tmp_path):
     stopped, report = fit("--steps", "3", "--max-minutes", "2")
     assert stopped.ran == [0, 1] and stopped.saved == [1, 2] and report["step"] == 2
     assert "--max-minutes 2: stopped after step 2 of 3" in capsys.readouterr().out
     assert report["train_minutes"] == 2.5
+    assert (tmp_path / "out" / UNFINISHED).is_file()  # its --out: for the rerun to go on
     resumed, report = fit("--steps", "3")  # the same run: --max-minutes is not a training flag
     assert resumed.ran == [2] and report["train_minutes"] == 4.0 and report["step"] == 3
+    assert not (tmp_path / "out" / UNFINISHED).exists()
     again, rerun = fit("--steps", "3")  # finished: nothing trains, the record is reported
     assert again.ran == [] and rerun["aux"] is None
     assert rerun["train_minutes"] == 4.0 and rerun["w"] == report["w"]
@@ -140,6 +142,16 @@ def test_a_run_killed_while_it_writes_its_drafter_finishes_when_rerun(fit, monke
     trainer, report = fit("--steps", "4")
     assert trainer.ran == [] and report["accepted_per_step"] == {"chain-1": 1.5}
     assert not (out / UNFINISHED).exists()
+
+
+def test_paths_read_late_are_checked_when_the_flags_are_parsed(tmp_path):
+    """(--init and --eval-questions once failed only after the answers were made.)"""
+    from train.eagle import parse_args as eagle_args
+
+    with pytest.raises(JaxspecError, match="--init .*: no drafter there"):
+        parse(trainer_parser("medusa", None, can_init=True), ["--init", str(tmp_path)])
+    with pytest.raises(JaxspecError, match="no question file at"):
+        eagle_args(["--eval-questions", str(tmp_path / "q.jsonl")])
 
 
 def test_the_run_record_keeps_what_each_invocation_measured(tmp_path):

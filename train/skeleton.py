@@ -178,7 +178,8 @@ class Trainer:
             report["accepted_per_step"] = measure_acceptance(
                 self.model, self.method, out, result.settings, result.measure_on
             )
-        mark.unlink()
+        if int(state["step"]) >= self.args.steps:  # else (--max-minutes) a rerun goes on
+            mark.unlink()
         print(json.dumps(report, indent=2))
         print(self.wrote.format(out=out))
         return report
