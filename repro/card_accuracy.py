@@ -25,7 +25,7 @@ from jaxspec.methods import shipped_drafter
 from jaxspec.models import load_model
 from train import firp, medusa, ppd
 from train.features import answer_features, self_answers
-from train.model_stamp import training_folder
+from train.model_stamp import claimed_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "card_accuracy.json"
 PROMPT_LEN, NEW_TOKENS = 128, 192  # as the shipped drafters were trained and evaluated
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     if unknown := set(methods) - set(MEASURE):
         p.error(f"unknown methods {sorted(unknown)}; choose among {', '.join(MEASURE)}")
     model = load_model(None)
-    root = training_folder(model.cfg)
+    root = claimed_folder(model)
     results = json.loads(OUT.read_text()) if OUT.is_file() else {}
     for method in methods:
         measured = MEASURE[method](model, root)

@@ -43,7 +43,7 @@ from repro.plots import plot_topk, run_part
 from train import chimera as chimera_train
 from train import medusa as medusa_train
 from train.features import answer_features
-from train.model_stamp import training_folder
+from train.model_stamp import claimed_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "chimera"
 
@@ -74,7 +74,7 @@ def shipped(model, method, for_generation=True):
 
 
 def test_features(model, args):
-    root = training_folder(model.cfg)
+    root = claimed_folder(model)
     return answer_features(model, root, "test", args.test_seqs, 128, 192)
 
 
@@ -191,7 +191,7 @@ def part_cache(args, model) -> dict:
     ]
     settings, raw, data = load_drafter(shipped_drafter(model.cfg, "chimera"), "chimera", model.cfg)
     chimera = make_drafter("chimera", model.cfg, settings)
-    train_f = answer_features(model, training_folder(model.cfg), "train",
+    train_f = answer_features(model, claimed_folder(model), "train",
                               args.train_seqs, 128, 192)  # fmt: skip
     frequent = chimera_train.frequent_ngrams(train_f, chimera.ngram, 65536)
     result = {}

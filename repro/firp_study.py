@@ -41,7 +41,7 @@ from jaxspec.methods import make_drafter, shipped_drafter
 from jaxspec.models import load_model
 from repro.plots import plot_topk, run_part
 from train import firp as firp_train
-from train.model_stamp import training_folder
+from train.model_stamp import claimed_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "firp"
 
@@ -61,7 +61,7 @@ def parse_args(argv=None):
 
 
 def work_dir(model) -> Path:
-    return training_folder(model.cfg) / "firp"
+    return claimed_folder(model) / "firp"
 
 
 def train_variant(args, layers, variant, tag, steps=None, pass_layers=None) -> dict:

@@ -36,7 +36,7 @@ from jaxspec.models import DTYPES, load_model
 from jaxspec.sampling import Sampling
 from repro.plots import plot_topk, run_part
 from train.features import conversation_ids
-from train.model_stamp import training_folder
+from train.model_stamp import claimed_folder
 
 OUT = Path(__file__).resolve().parent / "results" / "sdsat"
 GREEDY_KS = "1,2,3,4,5,6,8,10,13"
@@ -121,7 +121,7 @@ def part_trees(args, model) -> dict:
 
     settings, dparams, _ = load_drafter(shipped_drafter(model.cfg, "sdsat"), "sdsat", model.cfg)
     drafter = make_drafter("sdsat", model.cfg, settings)
-    root = training_folder(model.cfg)
+    root = claimed_folder(model)
     test = self_answers(model, root, "test", 40, 128, 192)
     evaluation = sdsat_train.evaluate(drafter, model.params, dparams, test, settings.window)
     trees = sdsat_train.sdsat_trees(evaluation["topk_per_depth"])

@@ -19,7 +19,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.llama import compute_params, init_params
 from jaxspec.mesh import make_mesh, shard_params
 from jaxspec.methods import DRAFTERS_DIR, shipped_drafter
-from train.model_stamp import STAMP, claim, fingerprint, training_folder
+from train.model_stamp import STAMP, claim, claimed_folder, fingerprint, training_folder
 
 CFG = dataclasses.replace(preset("tiny-gqa"), vocab_size=96)  # splits over model=2
 
@@ -87,6 +87,13 @@ def test_a_folder_is_stamped_once_and_refused_to_other_weights(tmp_path):
     with pytest.raises(JaxspecError, match=r"of another model .*first.*--work-dir"):
         claim(folder, model(key=1, path="second"))
     assert json.loads((folder / STAMP).read_text())["source"] == "first"
+
+
+def test_the_studies_claim_the_folder_they_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_HOME", str(tmp_path))
+    assert claimed_folder(model()) == training_folder(CFG)
+    with pytest.raises(JaxspecError, match="another model"):
+        claimed_folder(model(key=1))
 
 
 def test_a_folder_from_before_stamps_is_stamped_by_its_next_run(tmp_path):

@@ -32,6 +32,13 @@ def training_folder(cfg) -> Path:
     return jaxspec_home() / "train" / cfg.folder_name
 
 
+def claimed_folder(model) -> Path:
+    """The model's training folder (training_folder), claimed for it."""
+    folder = training_folder(model.cfg)
+    claim(folder, model)
+    return folder
+
+
 def fingerprint(model) -> str:
     """The model's sizes and the first and last SAMPLE elements of every weight as bfloat16
     bits: the same for one model in either dtype, from any file format,
