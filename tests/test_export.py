@@ -41,7 +41,7 @@ CASES = [
     ("chain-2", Sampling()),
     ("comb-2-2", Sampling()),
     ("comb-2-2", Sampling(0.8, top_p=0.9)),
-    ("comb-2-2", Sampling(0.8, typical=0.2)),
+    ("comb-2-2", Sampling(0.8, typical=True)),
 ]
 DATA = {"firp": {"test_topk_accuracy": jnp.array([[0.5, 0.7], [0.3, 0.5]])}}
 
