@@ -41,8 +41,8 @@ def claimed_folder(model) -> Path:
 
 def fingerprint(model) -> str:
     """The model's sizes and the first and last SAMPLE elements of every weight as bfloat16
-    bits: the same for one model in either dtype, from any file format,
-    on any mesh; different for other weights."""
+    bits: the same for one model in either dtype, from any file format, on any mesh;
+    different for other weights."""
     shape = {k: getattr(model.cfg, k) for k in SHAPE}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     flat = jax.tree_util.tree_flatten_with_path(
