@@ -113,7 +113,7 @@ def select_nodes(logits: jax.Array, tree: DynamicTree, extra: Retrieved | None =
     norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B,D,1]
     # The barrier keeps this TopK a TopK: with the later ones in the same program, XLA:CPU
     # otherwise rewrites it into a full sort of the vocabulary, far slower at V=49k.
-    guess_lp, guess = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))  # [B,D,k]
+    guess_lp, guess = map(jax.lax.optimization_barrier, jax.lax.top_k(logits, k))  # [B,D,k]
     guess_lp = calibrated(guess_lp - norm, calibration)  # log probabilities of the guesses
     score, rank = jax.lax.top_k(guess_lp[:, 0], min(N, k))  # depth 1
     token = jnp.take_along_axis(guess[:, 0], rank, axis=1)
@@ -213,7 +213,7 @@ def top_log_probs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     barrier keeps the TopK a TopK: beside other TopKs in one program XLA:CPU otherwise
     rewrites it into a full sort of the vocabulary."""
     norm = jax.nn.logsumexp(logits, -1, keepdims=True)
-    lp, index = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
+    lp, index = map(jax.lax.optimization_barrier, jax.lax.top_k(logits, k))
     return lp - norm, index
 
 

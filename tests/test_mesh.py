@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import warnings
 from collections import Counter
@@ -605,3 +606,30 @@ def test_ppd_with_plain_products_splits_the_weights_as_the_table_says():
     assert isinstance(q_proj, PlainProducts)
     assert jax.tree.leaves(q_proj)[0].sharding == jax.tree.leaves(placed)[0].sharding
     assert gen.generate(prompt, 30).token_ids == ar
+
+
+def test_guesses_over_a_vocabulary_split_three_ways_compile():
+    """The TopK of a drafter's guesses behind its barrier, with the logits split over three
+    devices by vocabulary (the default model on model=3): XLA:CPU's TopK decomposer aborted
+    the process when the barrier took the TopK's two results as one tuple (eagle, and every
+    dynamic tree). In a process of its own, since the failure was an abort."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jaxspec import topology
+        mesh = Mesh(np.array(jax.devices()[:3]), ("model",))
+        logits = jnp.arange(1 * 4 * 96, dtype=jnp.float32).reshape(1, 4, 96) % 17
+        split = jax.device_put(logits, NamedSharding(mesh, P(None, None, "model")))
+        lp, index = jax.jit(lambda x: topology.top_log_probs(x, 8))(split)
+        want = jax.lax.top_k(logits, 8)[1]
+        print(bool((index == want).all()), lp.shape)
+    """)
+    flags = "--xla_force_host_platform_device_count=3 --xla_backend_optimization_level=0"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "XLA_FLAGS": flags}, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "(1,", "4,", "8)"]
