@@ -217,6 +217,7 @@ def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
         assert gen.generate(prompt, 24).token_ids == ar
 
 
+@pytest.mark.slow  # ~35 s
 def test_the_trigram_cache_changes_nothing_but_the_work():
     """With a trigram cache the drafts are the same (same steps, same tokens), also with a
     1-slot cache that keeps evicting; every committed trigram is looked up once (the
@@ -335,6 +336,7 @@ def test_full_heads_start_as_the_factorised_heads(residual):
         )  # fmt: skip
 
 
+@pytest.mark.slow  # ~35 s
 def test_the_frozen_transformer_bottom_is_the_models_first_layer():
     """Table 7's "Transformer (Frozen)": the bottom states are the model's own states after
     its first layer; the trainable variant starts there and has weights of its own."""

@@ -374,6 +374,7 @@ def test_eagle_trains_on_sharegpt_replies_and_keeps_its_vocabulary(tiny_ckpt, tm
             eagle.parse_args([*tiny_training_args(tiny_ckpt[0], tmp_path / "c"), *flags, *wrong])
 
 
+@pytest.mark.slow  # ~30 s
 def test_eagle_scores_the_answers_to_a_benchmarks_questions(tiny_ckpt, tmp_path):
     """--eval-questions FILE: top-1 on the model's answers to the first turns of the first 5
     questions of each category (first turns only; cached under a name of their prompts),

@@ -234,7 +234,10 @@ def test_benchmark_peer_row_runs_the_family_in_transformers(models, family, tmp_
     assert rows["hf"]["match_ar"] == 1.0 and rows["hf"]["new_tokens"] == N
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3", pytest.param("mistral", marks=pytest.mark.slow)],  # ~30 s each
+)
 def test_every_method_decodes_losslessly(models, family, tmp_path):
     """Untrained drafters (losslessness does not depend on their quality) with a tree of the
     top 10 guesses at two depths: every method's tokens are AR's, which are HF's."""

@@ -274,7 +274,10 @@ def test_dynamic_trees_on_a_mesh_give_one_devices_tokens(method, retrieval):
     assert [r.steps for r in got] == [r.steps for r in one]
 
 
-@pytest.mark.parametrize("tree", ["comb-2-2", "dynamic-6"])
+@pytest.mark.parametrize(
+    "tree",
+    ["comb-2-2", pytest.param("dynamic-6", marks=pytest.mark.slow)],  # ~30 s
+)
 def test_eagle_of_two_blocks_on_a_mesh_gives_one_devices_tokens(tree):
     """A drafter of two blocks, its state's K*2 key/value heads split over `model` like the
     model's cache, gives one device's tokens."""
