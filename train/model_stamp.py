@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import jax
@@ -19,6 +18,7 @@ import numpy as np
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.errors import JaxspecError
 from jaxspec.layers import OutIn, PlainProducts
+from jaxspec.outputs import write_text
 
 STAMP = "model.json"
 SAMPLE = 32  # elements taken from each end of a weight
@@ -94,7 +94,4 @@ def claim(folder: Path, model) -> None:
                 f"{theirs.get('source')}), not of {model.path}: pass --work-dir DIR to keep "
                 "this model's apart"
             )
-    folder.mkdir(parents=True, exist_ok=True)
-    part = stamp.with_name(f".{STAMP}.{os.getpid()}")
-    part.write_text(json.dumps(mine, indent=2) + "\n")
-    part.replace(stamp)
+    write_text(stamp, json.dumps(mine, indent=2) + "\n")
