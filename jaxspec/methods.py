@@ -4,6 +4,7 @@ a given) drafter, its default tree, its own options."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from jaxspec.config import LlamaConfig
@@ -33,6 +34,28 @@ DRAFTERS_DIR = shipped_drafters()
 def shipped_drafter(cfg, method: str) -> Path:
     """drafters/<model>/<method>/: the drafter shipped for a model (LlamaConfig `cfg`)."""
     return DRAFTERS_DIR / cfg.folder_name / method
+
+
+def drafter_folder(model: LoadedModel, method: str, given: Path | None) -> Path:
+    """The given drafter folder, else the one shipped for the model's name. A shipped
+    drafter trained for other weights (another model of that name: a fine-tune's config
+    often keeps its base's) is a warning: the tokens stay exact, fewer drafts are accepted."""
+    from jaxspec.drafters.store import META, base_weights
+
+    if given is not None:
+        return given
+    folder = shipped_drafter(model.cfg, method)
+    trained_for = base_weights(folder) if (folder / META).is_file() else None
+    if trained_for and trained_for != model.fingerprint:
+        warnings.warn(
+            f"the shipped {method} drafter for {model.cfg.folder_name!r} ({folder}) was trained "
+            f"for other weights than {model.path}: the tokens stay exact, but fewer drafts "
+            f"may be accepted; pass a drafter folder (--drafter DIR) or train one with "
+            f"`jaxspec-train {method}`",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return folder
 
 
 PPD_K = 3
@@ -98,7 +121,7 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
             "ppd pipelines one sequence at a time: use --mesh data=1,model=M (each of its "
             "k + 1 stages then holds the model split M ways)"
         )
-    drafter_dir = drafter_dir or shipped_drafter(model.cfg, m.name)
+    drafter_dir = drafter_folder(model, m.name, drafter_dir)
     default_layer, heads = None, {}
     if drafter_dir.is_dir():
         stored = load_drafter(drafter_dir, m.name, model.cfg)
@@ -129,7 +152,7 @@ def build_speculative(
     model, its tree chosen, the drafter specialised for that tree."""
     from jaxspec.drafters.store import check_weights, load_drafter
 
-    drafter_dir = drafter_dir or shipped_drafter(model.cfg, m.name)
+    drafter_dir = drafter_folder(model, m.name, drafter_dir)
     settings, drafter_params, data = load_drafter(drafter_dir, m.name, model.cfg)
     retrieval = options.pop("retrieval", 0)
     drafter = m.drafter_class().from_settings(model.cfg, settings, **options)

@@ -4,6 +4,7 @@ checkpoint, an HF folder or a .gguf file, with its tokenizer, in the dtype asked
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -41,6 +42,13 @@ class LoadedModel:
     params: dict
     tokenizer: object
     mesh: object = None  # the jax.sharding.Mesh the params are split over; None: one device
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Which weights these are (jaxspec.fingerprint), computed once."""
+        from jaxspec.fingerprint import fingerprint
+
+        return fingerprint(self)
 
     @property
     def weight_dtype(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,9 @@ from jaxspec.checkpoint import load_checkpoint
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.firp import FirpSettings
 from jaxspec.drafters.medusa import MedusaDrafter
-from jaxspec.drafters.store import load_drafter, save_drafter
+from jaxspec.drafters.store import base_weights, load_drafter, save_drafter
 from jaxspec.errors import JaxspecError
+from jaxspec.fingerprint import fingerprint
 from jaxspec.tree import DynamicTree, tree_preset
 from tests.conftest import one_line_error, tiny_training_args
 
@@ -103,7 +105,7 @@ def test_init_starts_from_a_trained_drafter(trained, tmp_path):
     import train.medusa as medusa
 
     out, _, _, ckpt, _ = trained
-    cfg, _ = load_checkpoint(ckpt)
+    cfg, params = load_checkpoint(ckpt)
     common = [*tiny_training_args(ckpt, tmp_path, train_seqs=10, batch=32, lr=0),
               "--seq-len", "64", "--steps", "1", "--init", str(out), "--overwrite"]  # fmt: skip
     medusa.train([*common, "--heads", "3"])
@@ -113,6 +115,7 @@ def test_init_starts_from_a_trained_drafter(trained, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, after, start)
     card = (tmp_path / "out" / "CARD.md").read_text()
     assert f"Started from the weights of the drafter then at `{out}`, which `jaxspec-train" in card
+    assert base_weights(tmp_path / "out") == fingerprint(SimpleNamespace(cfg=cfg, params=params))
     with pytest.raises(JaxspecError, match="do not fit the drafter these flags build"):
         medusa.train([*common, "--heads", "2"])
 

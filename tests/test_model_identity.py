@@ -16,10 +16,11 @@ import pytest
 from jaxspec.config import LlamaConfig, plain_name, preset
 from jaxspec.convert.hf import read_hf_config
 from jaxspec.errors import JaxspecError
+from jaxspec.fingerprint import fingerprint
 from jaxspec.llama import compute_params, init_params
 from jaxspec.mesh import make_mesh, shard_params
 from jaxspec.methods import DRAFTERS_DIR, shipped_drafter
-from train.model_stamp import STAMP, claim, claimed_folder, fingerprint, training_folder
+from train.model_stamp import STAMP, claim, claimed_folder, training_folder
 
 CFG = dataclasses.replace(preset("tiny-gqa"), vocab_size=96)  # splits over model=2
 
@@ -122,3 +123,46 @@ def test_train_claims_its_shared_folder_and_needs_a_tokenizer(tmp_path, monkeypa
         skeleton.train(
             Counting, parse(trainer_parser("medusa", None), ["--work-dir", str(tmp_path / "w2")])
         )
+
+
+def test_a_shipped_drafter_for_other_weights_of_its_name_is_a_warning(tiny_ckpt, monkeypatch,
+                                                                       tmp_path):  # fmt: skip
+    """The drafter found by the model's name was trained for other weights (another model of
+    that name): a warning (the tokens stay exact); none for its own weights, for a folder
+    the user chose, or for a folder from before fingerprints."""
+    import warnings
+
+    import jaxspec
+    from jaxspec import methods
+    from jaxspec.checkpoint import load_checkpoint
+    from jaxspec.drafters.medusa import MedusaDrafter, MedusaSettings
+    from jaxspec.drafters.store import base_weights, save_drafter
+    from jaxspec.models import load_model
+
+    monkeypatch.setattr(methods, "DRAFTERS_DIR", tmp_path)
+    loaded = load_model(tiny_ckpt[0])
+    cfg, params = load_checkpoint(tiny_ckpt[0])
+    folder = shipped_drafter(cfg, "medusa")
+    heads = MedusaDrafter(cfg, 2).init(params, jax.random.key(0))
+    other = fingerprint(SimpleNamespace(cfg=cfg, params=init_params(cfg, jax.random.key(9))))
+
+    def build(**kw):
+        return jaxspec.Generator(loaded, "medusa", tree="chain-1", **kw)
+
+    for trained_for in (other, loaded.fingerprint, None):
+        save_drafter(
+            folder, "medusa", MedusaSettings(n_heads=2), heads, cfg, "", base_weights=trained_for
+        )
+        assert base_weights(folder) == trained_for
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            build(drafter=folder)  # the user's choice
+            if trained_for != other:
+                build()
+    with pytest.warns(RuntimeWarning, match=r"shipped medusa drafter .* trained for other weights"):
+        save_drafter(
+            folder, "medusa", MedusaSettings(n_heads=2), heads, cfg, "", base_weights=other
+        )
+        build()
+    with pytest.warns(RuntimeWarning, match="trained for other weights"):
+        jaxspec.load_drafter(loaded, "medusa")

@@ -7,24 +7,15 @@ first use and checked on every later one."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.errors import JaxspecError
-from jaxspec.layers import OutIn, PlainProducts
+from jaxspec.fingerprint import fingerprint
 from jaxspec.outputs import write_text
 
 STAMP = "model.json"
-SAMPLE = 32  # elements taken from each end of a weight
-# the config's sizes (its constants differ by file format: a GGUF's float32 norm_eps, its
-# RoPE frequency factors where HF names the llama3 scaling)
-SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim")
 
 
 def training_folder(cfg) -> Path:
@@ -37,42 +28,6 @@ def claimed_folder(model) -> Path:
     folder = training_folder(model.cfg)
     claim(folder, model)
     return folder
-
-
-def fingerprint(model) -> str:
-    """The model's sizes and the first and last SAMPLE elements of every weight as bfloat16
-    bits: the same for one model in either dtype, from any file format, on any mesh;
-    different for other weights."""
-    shape = {k: getattr(model.cfg, k) for k in SHAPE}
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
-    flat = jax.tree_util.tree_flatten_with_path(
-        model.params, is_leaf=lambda x: isinstance(x, (OutIn, PlainProducts))
-    )[0]
-    paths = [jax.tree_util.keystr(path) for path, _ in flat]
-    for path, sample in zip(paths, _samples([leaf for _, leaf in flat]), strict=True):
-        digest.update(path.encode())
-        digest.update(np.asarray(sample).view(np.uint16).tobytes())
-    return digest.hexdigest()[:20]
-
-
-@jax.jit
-def _samples(leaves: list) -> list[jax.Array]:
-    """Each weight's first SAMPLE and last SAMPLE elements in its [in,out] order, as
-    bfloat16 [<= 2*SAMPLE] (an OutIn stores [out,in])."""
-    out = []
-    for leaf in leaves:
-        while isinstance(leaf, PlainProducts):
-            leaf = leaf.w
-        if isinstance(leaf, OutIn):
-            w = leaf.w  # [out,in]
-            first, last = w[:SAMPLE, 0], w[-SAMPLE:, -1]
-        elif leaf.ndim == 0:
-            first = last = leaf[None]
-        else:
-            corner = (0,) * (leaf.ndim - 1)
-            first, last = leaf[corner][:SAMPLE], leaf[tuple(-1 for _ in corner)][-SAMPLE:]
-        out.append(jnp.concatenate([first, last]).astype(jnp.bfloat16))
-    return out
 
 
 def claim(folder: Path, model) -> None:

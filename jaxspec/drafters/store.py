@@ -1,7 +1,7 @@
 """Drafter folders: drafter.safetensors (weights) + drafter.json (method, typed settings,
-base-model fingerprint) + CARD.md, and drafter_data.safetensors when training measured or
-derived data arrays (the settings class's `DATA`). Loading checks the fingerprint against
-the base model."""
+base model: its sizes, name and weights' fingerprint) + CARD.md, and
+drafter_data.safetensors when training measured or derived data arrays (the settings
+class's `DATA`). Loading checks the sizes against the base model."""
 
 from __future__ import annotations
 
@@ -88,8 +88,10 @@ def save_drafter(
     base: LlamaConfig,
     card: str,
     data: dict[str, np.ndarray] | None = None,
+    base_weights: str | None = None,
 ):
-    """Writes the folder; `data`: arrays named by the settings class's DATA."""
+    """Writes the folder; `data`: arrays named by the settings class's DATA; base_weights:
+    the base model's fingerprint (jaxspec.fingerprint)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     unknown = set(data or {}) - set(settings.DATA)
@@ -100,7 +102,8 @@ def save_drafter(
         save_file({k: np.ascontiguousarray(v) for k, v in data.items()}, str(out / DATA))
     else:
         (out / DATA).unlink(missing_ok=True)
-    meta = {"method": method, "settings": settings.to_json(), "base_model": fingerprint(base)}
+    base_model = fingerprint(base) | ({"weights": base_weights} if base_weights else {})
+    meta = {"method": method, "settings": settings.to_json(), "base_model": base_model}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     (out / "CARD.md").write_text(card)
 
@@ -186,6 +189,13 @@ def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) 
     if (path / DATA).is_file():
         data.update(_read(path / DATA, "data"))
     return StoredDrafter(settings, params, data)
+
+
+def base_weights(path: Path) -> str | None:
+    """The fingerprint (jaxspec.fingerprint) of the weights the drafter at `path` was
+    trained for; None where its drafter.json predates it."""
+    weights = read_meta(Path(path) / META).get("base_model", {}).get("weights")
+    return weights if isinstance(weights, str) else None
 
 
 def _read(file: Path, what: str) -> dict[str, np.ndarray]:
