@@ -10,6 +10,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxspec.layers import OutIn, PlainProducts
 
@@ -29,7 +30,10 @@ def fingerprint(model) -> str:
         model.params, is_leaf=lambda x: isinstance(x, (OutIn, PlainProducts))
     )[0]
     paths = [jax.tree_util.keystr(path) for path, _ in flat]
-    for path, sample in zip(paths, _samples([leaf for _, leaf in flat]), strict=True):
+    samples = _samples([leaf for _, leaf in flat])
+    if jax.process_count() > 1:  # weights split over processes: each sees the whole sample
+        samples = multihost_utils.process_allgather(samples, tiled=True)
+    for path, sample in zip(paths, samples, strict=True):
         digest.update(path.encode())
         digest.update(np.asarray(sample).view(np.uint16).tobytes())
     return digest.hexdigest()[:20]

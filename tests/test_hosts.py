@@ -109,3 +109,42 @@ def test_three_processes_print_one_processes_tokens(tmp_path, capsys):
     assert got["token_ids"] == one["token_ids"]
     assert got["weight_bytes_per_device"] < 0.4 * one["weight_bytes_per_device"]
     assert outs[1][0] == outs[2][0] == ""
+
+
+FINGERPRINT = """
+import json, sys
+from types import SimpleNamespace
+from jaxspec import hosts
+hosts.start(sys.argv[1], 3, int(sys.argv[2]))
+import jax
+import jaxspec.config
+from jaxspec.fingerprint import fingerprint
+from jaxspec.llama import init_params
+from jaxspec.mesh import make_mesh, shard_params
+cfg = jaxspec.config.LlamaConfig(**json.loads(sys.argv[3]))
+params = shard_params(init_params(cfg, jax.random.key(0)), cfg, make_mesh({"data": 1, "model": 3}))
+print(fingerprint(SimpleNamespace(cfg=cfg, params=params)))
+"""
+
+
+@pytest.mark.slow  # CI time (~15 s, three processes)
+def test_the_weights_fingerprint_of_a_model_split_over_three_processes():
+    """Each process of a group holding a third of every weight computes the fingerprint one
+    process does (jaxspec.fingerprint: drafters and training folders are checked by it)."""
+    from types import SimpleNamespace
+
+    from jaxspec.fingerprint import fingerprint
+    from jaxspec.llama import init_params
+
+    one = fingerprint(SimpleNamespace(cfg=CFG3, params=init_params(CFG3, jax.random.key(0))))
+    coordinator, cfg = f"127.0.0.1:{free_port()}", json.dumps(CFG3.to_dict())
+    env = {**os.environ, "XLA_FLAGS": NO_LLVM_OPTIMISATION}  # one device each
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FINGERPRINT, coordinator, str(i), cfg], cwd=ROOT,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(3)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    assert [out.split()[-1] for out, _ in outs] == [one] * 3  # (gloo prints lines before)
