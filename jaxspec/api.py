@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jaxspec.drafters import registry
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 from jaxspec.generate import GenerationResult, checked_new_tokens
 from jaxspec.methods import build_generator, drafter_folder
 from jaxspec.models import LoadedModel
@@ -78,8 +78,8 @@ class Generator:
     def _decoder(self, sampling: Sampling):
         if sampling.typical and self.method == "ar":  # (a bench's ar row samples plainly)
             raise JaxspecError(
-                "--typical accepts drafted tokens, and --method ar drafts none: pick a method "
-                "that drafts, or drop --typical"
+                f"{option('typical')} accepts drafted tokens, and method 'ar' drafts none: pick a "
+                "method that drafts, or drop it"
             )
         with self._building:
             if sampling not in self._built:

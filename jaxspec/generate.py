@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_LEN = 128
@@ -28,7 +28,8 @@ def checked_max_len(max_len: int | None, max_position: int) -> int:
         return max_position
     if not 1 <= max_len <= max_position:
         raise JaxspecError(
-            f"--max-len {max_len} is outside the model's context of {max_position} positions; "
+            f"{option('max_len')} {max_len} is outside the model's context of {max_position} "
+            f"positions; "
             f"pass 1 to {max_position} (or leave it out)"
         )
     return max_len
@@ -38,7 +39,9 @@ def checked_new_tokens(max_new_tokens) -> int:
     """max_new_tokens as a Python int (numpy's taken), else a one-line error."""
     integer = isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
     if not integer or max_new_tokens < 1:
-        raise JaxspecError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens!r}")
+        raise JaxspecError(
+            f"{option('max_new_tokens')} must be an integer >= 1, got {max_new_tokens!r}"
+        )
     return int(max_new_tokens)
 
 
@@ -54,7 +57,7 @@ def cache_len(prompt_len: int, max_new_tokens: int, extra: int, max_len: int) ->
         raise JaxspecError(
             f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens need {kept} positions, "
             f"which exceeds the limit of {max_len} positions; shorten the prompt or lower "
-            "--max-new-tokens"
+            f"{option('max_new_tokens')}"
         )
     return min(bucket(kept + extra, MIN_CACHE_LEN), max_len + extra)
 

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspec.config import LlamaConfig
 from jaxspec.decode import PREFILL_CHUNK, checked_products, prefill_shape, prompt_chunks
 from jaxspec.drafters.settings import DrafterSettings
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 from jaxspec.generate import GenerationResult, cache_len, checked_max_len
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask, commit, init_cache, prompt_reads
 from jaxspec.layers import EXACT_ROUNDING, dense
@@ -69,14 +69,14 @@ def head_name(layer: int) -> str:
 
 def check_settings(cfg: LlamaConfig, k: int, layer: int) -> None:
     if not 1 <= layer < cfg.n_layers:
-        raise JaxspecError(f"--ppd-layer must be in 1..{cfg.n_layers - 1}, got {layer}")
+        raise JaxspecError(f"{option('ppd_layer')} must be in 1..{cfg.n_layers - 1}, got {layer}")
     if 2 * layer < cfg.n_layers:
         raise JaxspecError(
-            f"--ppd-layer {layer} is below half the depth ({cfg.n_layers} layers): PPD needs "
-            f"d_bar >= d/2, use --ppd-layer {(cfg.n_layers + 1) // 2} or more"
+            f"{option('ppd_layer')} {layer} is below half the depth ({cfg.n_layers} layers): PPD "
+            f"needs d_bar >= d/2, use {(cfg.n_layers + 1) // 2} or more"
         )
     if k < 1:
-        raise JaxspecError(f"--ppd-k must be >= 1, got {k}")
+        raise JaxspecError(f"{option('ppd_k')} must be >= 1, got {k}")
 
 
 def stages(devices: list, model_split: int) -> list:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 
 NEG_INF = jnp.finfo(jnp.float32).min
 NUCLEUS_CANDIDATES = (256, 4096)  # top_p alone: the nucleus is sought among this many tokens
@@ -57,18 +57,21 @@ class Sampling:
             value = getattr(self, name)
             flag = isinstance(value, (bool, np.bool_))
             if not isinstance(value, kind) or (flag and name != "typical"):
-                raise JaxspecError(f"--{name.replace('_', '-')} must be {what}, got {value!r}")
+                raise JaxspecError(f"{option(name)} must be {what}, got {value!r}")
             object.__setattr__(self, name, make(value))  # numpy scalars as Python's
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise JaxspecError(
-                f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+                f"{option('temperature')} must be a finite number >= 0 (0 = greedy), got "
+                f"{self.temperature}"
             )
         if not 0 < self.top_p <= 1:
-            raise JaxspecError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise JaxspecError(f"{option('top_p')} must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise JaxspecError(f"--top-k must be >= 0, got {self.top_k}")
+            raise JaxspecError(f"{option('top_k')} must be >= 0, got {self.top_k}")
         if self.typical and self.temperature == 0:
-            raise JaxspecError("--typical needs sampling: set --temperature > 0")
+            raise JaxspecError(
+                f"{option('typical')} needs sampling: set {option('temperature')} > 0"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -77,8 +80,8 @@ class Sampling:
     def check_vocabulary(self, vocab_size: int) -> None:
         if self.top_k > vocab_size:
             raise JaxspecError(
-                f"--top-k {self.top_k} exceeds the vocabulary ({vocab_size} tokens); use at "
-                f"most {vocab_size}, or 0 for no top-k cut"
+                f"{option('top_k')} {self.top_k} exceeds the vocabulary ({vocab_size} tokens); "
+                f"use at most {vocab_size}, or 0 for no top-k cut"
             )
 
 

@@ -290,12 +290,12 @@ def test_sampling_is_per_call_and_seeded(generators, reference):
         ({"seed": 2**32}, "seed"),
         ({"seed": 1.5}, "seed"),
         ({"seed": True}, "seed"),
-        ({"typical": True}, "--typical needs sampling"),
-        ({"top_k": 2.5}, "--top-k must be an integer, got 2.5"),
-        ({"top_k": "2"}, "--top-k must be an integer, got '2'"),
-        ({"temperature": "0.7"}, "--temperature must be a number, got '0.7'"),
-        ({"top_p": None}, "--top-p must be a number, got None"),
-        ({"temperature": 0.7, "typical": 1}, "--typical must be True or False, got 1"),
+        ({"typical": True}, r"typical \(--typical\) needs sampling"),
+        ({"top_k": 2.5}, r"top_k \(--top-k\) must be an integer, got 2.5"),
+        ({"top_k": "2"}, r"top_k \(--top-k\) must be an integer, got '2'"),
+        ({"temperature": "0.7"}, r"temperature \(--temperature\) must be a number, got '0.7'"),
+        ({"top_p": None}, r"top_p \(--top-p\) must be a number, got None"),
+        ({"temperature": 0.7, "typical": 1}, r"typical \(--typical\) must be True or False, got 1"),
     ],
 )
 def test_bad_sampling_settings_are_refused(settings, message, generators):
@@ -340,7 +340,9 @@ def test_a_model_without_a_tokenizer_takes_ids_and_refuses_text(model, reference
 
 @pytest.mark.parametrize("max_new_tokens", [2.5, "5", None, True, 0])
 def test_a_bad_max_new_tokens_is_refused_before_any_work(max_new_tokens, generators):
-    with pytest.raises(jaxspec.JaxspecError, match="--max-new-tokens must be an integer >= 1"):
+    with pytest.raises(
+        jaxspec.JaxspecError, match=r"max_new_tokens \(--max-new-tokens\) must be an integer >= 1"
+    ):
         generators["medusa"].generate(PROMPT, max_new_tokens)
 
 
@@ -368,13 +370,17 @@ def test_bad_generator_options_fail_at_construction(model, drafters):
 @pytest.mark.parametrize(
     "method, option, message",
     [
-        ("ppd", {"ppd_k": 0}, "--ppd-k must be a whole number from 1 to 16, got 0"),
-        ("ppd", {"ppd_k": 100}, "--ppd-k must be a whole number from 1 to 16, got 100"),
-        ("ppd", {"ppd_layer": 0}, "--ppd-layer must be a whole number >= 1, got 0"),
-        ("sdsat", {"sdsat_loop": "bogus"}, "--sdsat-loop must be one of two-forward"),
-        ("eagle", {"retrieval": -1}, "--retrieval must be a whole number >= 1, got -1"),
-        ("medusa", {"retrieval": 0}, "--retrieval must be a whole number >= 1, got 0"),
-        ("firp", {"firp_chains": 1.5}, "--firp-chains must be a whole number >= 0, got 1.5"),
+        ("ppd", {"ppd_k": 0}, "ppd_k (--ppd-k) must be a whole number from 1 to 16, got 0"),
+        ("ppd", {"ppd_k": 100}, "ppd_k (--ppd-k) must be a whole number from 1 to 16, got 100"),
+        ("ppd", {"ppd_layer": 0}, "ppd_layer (--ppd-layer) must be a whole number >= 1, got 0"),
+        ("sdsat", {"sdsat_loop": "bogus"}, "sdsat_loop (--sdsat-loop) must be one of two-forward"),
+        ("eagle", {"retrieval": -1}, "retrieval (--retrieval) must be a whole number >= 1, got -1"),
+        ("medusa", {"retrieval": 0}, "retrieval (--retrieval) must be a whole number >= 1, got 0"),
+        (
+            "firp",
+            {"firp_chains": 1.5},
+            "firp_chains (--firp-chains) must be a whole number >= 0, got 1.5",
+        ),
     ],
 )
 def test_method_options_out_of_range_are_refused_not_ignored(model, method, option, message):

@@ -174,7 +174,7 @@ CASES = [
         "typical-on-ar",
         "generate",
         gen("--method", "ar", "--typical", "--temperature", "1", PROMPT),
-        "--method ar drafts none",
+        "method 'ar' drafts none",
     ),
     Case(
         "qwen2-window-on-some-layers",

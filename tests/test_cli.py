@@ -56,9 +56,9 @@ def test_generate_ppd_equals_ar(tiny_ckpt, capsys):
     err = one_line_error(generate_main, ["--method", "ppd", "--temperature", "1", *argv], capsys)
     assert "ppd decodes greedily" in err
     err = one_line_error(generate_main, ["--firp-chains", "4", *argv], capsys)
-    assert "--firp-chains applies to --method firp only" in err
+    assert "firp_chains (--firp-chains) applies to method firp only" in err
     err = one_line_error(generate_main, ["--sdsat-loop", "one-forward", *argv], capsys)
-    assert "--sdsat-loop applies to --method sdsat only" in err
+    assert "sdsat_loop (--sdsat-loop) applies to method sdsat only" in err
 
 
 def test_generate_batch_json_lines(tiny_ckpt, capsys):
@@ -176,13 +176,16 @@ def test_ppd_asks_for_k_plus_1_devices_of_the_model_split_each(monkeypatch):
     [
         (["--method", "nope", "w5"], "unknown method 'nope'"),
         (["--max-len", "16", "w5 " * 20], "exceeds the limit of 16 positions"),
-        (["--max-len", "100000", "w5"], "--max-len 100000 is outside the model's context"),
+        (
+            ["--max-len", "100000", "w5"],
+            "max_len (--max-len) 100000 is outside the model's context",
+        ),
         (["   "], "empty prompt"),
         (["--top-p", "0", "w5"], "argument --top-p: must be in (0, 1]"),
-        (["--tree", "chain-2", "w5"], "--tree picks a draft tree; --method ar has none"),
-        (["--method", "ppd", "--tree", "chain-2", "w5"], "--method ppd has none"),
-        (["--drafter", "d", "w5"], "--drafter applies to speculative methods"),
-        (["--ppd-layer", "2", "w5"], "--ppd-layer applies to --method ppd only"),
+        (["--tree", "chain-2", "w5"], "tree (--tree) picks a draft tree; method 'ar' has none"),
+        (["--method", "ppd", "--tree", "chain-2", "w5"], "method 'ppd' has none"),
+        (["--drafter", "d", "w5"], "drafter (--drafter) applies to speculative methods"),
+        (["--ppd-layer", "2", "w5"], "ppd_layer (--ppd-layer) applies to method ppd only"),
     ],
 )
 def test_generate_bad_input(tiny_ckpt, capsys, argv, message):

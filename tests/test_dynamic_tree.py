@@ -339,7 +339,9 @@ def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_dynamic_trees(model, 
     with pytest.raises(JaxspecError, match="retrieval candidates join dynamic trees"):
         jaxspec.Generator(model, "medusa", drafter=drafters / "medusa", tree="cpu-8",
                           retrieval=2)  # fmt: skip
-    with pytest.raises(JaxspecError, match="--retrieval applies to --method medusa, firp, chim"):
+    with pytest.raises(
+        JaxspecError, match=r"retrieval \(--retrieval\) applies to method medusa, firp, chim"
+    ):
         jaxspec.Generator(model, "sdsat", drafter=drafters / "sdsat", retrieval=2)
     assert parse_row("eagle@dynamic-16+2:bfloat16") == (
         "eagle",

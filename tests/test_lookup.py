@@ -87,7 +87,7 @@ def test_lookup_from_the_shell_and_in_the_benchmark(tiny_ckpt, tmp_path, capsys)
     lookup = json.loads(capsys.readouterr().out)
     assert lookup["token_ids"] == ar["token_ids"] and lookup["method"] == "lookup"
     err = one_line_error(generate_main, ["--method", "lookup", "--drafter", ckpt, *argv], capsys)
-    assert "--method lookup has none" in err
+    assert "method 'lookup' has none" in err
 
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "a", "turns": [PROMPT]}))

@@ -301,7 +301,7 @@ def test_bench_verifies_with_typical_acceptance_when_asked(trained, tmp_path, ca
     argv = ["--model", str(ckpt), "--questions", str(questions), "--max-new-tokens", "12",
             "--methods", "ar,medusa@cpu-8", "--drafter", f"medusa={out}"]  # fmt: skip
     err = one_line_error(main, [*argv, "--typical"], capsys)
-    assert "--typical needs sampling" in err
+    assert "typical (--typical) needs sampling" in err
     result = tmp_path / "r.json"
     # Near-greedy sampling: typical acceptance keeps only the top token, AR samples it too.
     main([*argv, "--typical", "--temperature", "0.0001", "--out", str(result)])

@@ -174,8 +174,8 @@ def test_a_prompt_bucket_longer_than_the_cache_is_cut_to_it():
     "k, layer, message",
     [
         (3, 2, "below half the depth"),
-        (3, 6, "--ppd-layer must be in 1..5"),
-        (0, 3, "--ppd-k must be >= 1"),
+        (3, 6, r"ppd_layer \(--ppd-layer\) must be in 1..5"),
+        (0, 3, r"ppd_k \(--ppd-k\) must be >= 1"),
     ],
 )
 def test_bad_settings_are_clear_errors(k, layer, message):

@@ -50,10 +50,22 @@ def test_option_checks_take_their_bounds_and_refuse_bools_and_blank_trees():
     check_options(method("ppd"), ppd_k=MAX_PPD_K)
     check_options(method("firp"), firp_chains=0, retrieval=1)
     for m, options, message in [
-        ("ppd", {"ppd_k": MAX_PPD_K + 1}, f"--ppd-k must be a whole number from 1 to {MAX_PPD_K}"),
-        ("firp", {"firp_chains": True}, "--firp-chains must be a whole number >= 0, got True"),
-        ("eagle", {"retrieval": True}, "--retrieval must be a whole number >= 1, got True"),
-        ("ar", {"tree": ""}, "--tree picks a draft tree; --method ar has none"),
+        (
+            "ppd",
+            {"ppd_k": MAX_PPD_K + 1},
+            f"ppd_k (--ppd-k) must be a whole number from 1 to {MAX_PPD_K}",
+        ),
+        (
+            "firp",
+            {"firp_chains": True},
+            "firp_chains (--firp-chains) must be a whole number >= 0, got True",
+        ),
+        (
+            "eagle",
+            {"retrieval": True},
+            "retrieval (--retrieval) must be a whole number >= 1, got True",
+        ),
+        ("ar", {"tree": ""}, "tree (--tree) picks a draft tree; method 'ar' has none"),
     ]:
         with pytest.raises(JaxspecError, match=re.escape(message)):
             check_options(method(m), **options)

@@ -436,7 +436,7 @@ def test_typical_acceptance_accepts_likely_drafts_and_needs_sampling():
     sampled = [SpeculativeGenerator(cfg, params, sampling=Sampling(1.0, typical=t))
                .generate(prompt, 30, seed=3).token_ids for t in (True, False)]  # fmt: skip
     assert sampled[0] == sampled[1] != greedy_ar
-    with pytest.raises(JaxspecError, match="--typical needs sampling"):
+    with pytest.raises(JaxspecError, match=r"typical \(--typical\) needs sampling"):
         Sampling(typical=True)
 
 

@@ -34,7 +34,7 @@ from jaxspec.chains import after_prompt, chain_mask, joint_mask, pseudo_position
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, tree_candidates
 from jaxspec.drafters.settings import DrafterSettings
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 from jaxspec.kv_cache import KVBlock, KVCache, causal_mask
 from jaxspec.layers import dense
 from jaxspec.llama import embed, final_norm, lm_logits, run_layers
@@ -90,7 +90,9 @@ class FirpDrafter(Drafter):
             return self
         n_chains = settings.chains if firp_chains is None else firp_chains
         if n_chains < 0:
-            raise JaxspecError(f"--firp-chains must be >= 0 (0 = every node), got {n_chains}")
+            raise JaxspecError(
+                f"{option('firp_chains')} must be >= 0 (0 = every node), got {n_chains}"
+            )
         if 0 < n_chains < tree.n_nodes and "test_topk_accuracy" not in data:
             raise JaxspecError(
                 "this FIRP drafter has no measured accuracies to place chains with; "

@@ -11,6 +11,7 @@ import importlib
 import numbers
 
 from jaxspec.errors import JaxspecError
+from jaxspec.errors import option as option_name
 
 # SDSAT's loops: the paper's draft step then verify step (the default), or adaptive chains
 # in the verify step (jaxspec.drafters.sdsat).
@@ -119,13 +120,15 @@ def owners(option: str) -> str:
 def check_options(m: Method, tree=None, drafter=None, **options) -> None:
     """Options that `m` would silently ignore are errors (None: not given)."""
     if tree is not None and not m.tree:
-        raise JaxspecError(f"--tree picks a draft tree; --method {m.name} has none")
+        raise JaxspecError(f"{option_name('tree')} picks a draft tree; method {m.name!r} has none")
     if drafter is not None and not m.drafter_folder:
-        raise JaxspecError(f"--drafter applies to speculative methods; --method {m.name} has none")
+        raise JaxspecError(
+            f"{option_name('drafter')} applies to speculative methods; method {m.name!r} has none"
+        )
     for option, value in options.items():
-        flag = "--" + option.replace("_", "-")
+        flag = option_name(option)
         if value is not None and option not in m.options:
-            raise JaxspecError(f"{flag} applies to --method {owners(option)} only")
+            raise JaxspecError(f"{flag} applies to method {owners(option)} only")
         if value is not None and not OPTIONS[option][2](value):
             raise JaxspecError(f"{flag} must be {OPTIONS[option][1]}, got {value!r}")
 
