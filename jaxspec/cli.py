@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 from jaxspec.drafters.registry import MAX_PPD_K
@@ -25,9 +26,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run_main(fn: Callable, argv=None) -> None:
     """Run a tool's main: a JaxspecError is its message, anything unexpected one line naming
-    the exception (the traceback with JAXSPEC_DEBUG=1)."""
+    the exception (the traceback with JAXSPEC_DEBUG=1); a warning is one line too."""
     try:
-        fn(argv)
+        with warnings.catch_warnings():
+            if not os.environ.get(DEBUG_ENV):
+                warnings.showwarning = _show_warning
+            fn(argv)
     except JaxspecError as e:
         _fail(str(e))
     except KeyboardInterrupt:
@@ -45,6 +49,10 @@ def run_main(fn: Callable, argv=None) -> None:
             raise
         detail = " ".join(str(e).split())[:300] or "(no message)"
         _fail(f"{type(e).__name__}: {detail}", unexpected=True)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr)
 
 
 def _fail(message: str, unexpected: bool = False) -> None:

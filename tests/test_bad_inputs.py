@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -426,6 +427,17 @@ def test_a_users_error_is_one_line_and_an_interrupt_exits_130(raised, code, line
     with pytest.raises(SystemExit) as done:
         run_main(main, [])
     assert done.value.code == code and capsys.readouterr().err == line + "\n"
+
+
+def test_a_warning_is_one_line(capsys, monkeypatch):
+    def main(argv):
+        warnings.warn("the shipped drafter\n  was trained for other weights", stacklevel=1)
+
+    monkeypatch.delenv("JAXSPEC_DEBUG", raising=False)
+    run_main(main, [])
+    assert capsys.readouterr().err == (
+        "warning: the shipped drafter was trained for other weights\n"
+    )
 
 
 def test_unexpected_failure_is_one_line(capsys, monkeypatch):
