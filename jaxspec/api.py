@@ -22,7 +22,7 @@ from pathlib import Path
 from jaxspec.drafters import registry
 from jaxspec.errors import JaxspecError, option
 from jaxspec.generate import GenerationResult, checked_new_tokens
-from jaxspec.methods import build_generator, drafter_folder
+from jaxspec.methods import build_generator, chosen_drafter_folder
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling, check_seed
 from jaxspec.text import TextStream, encode_prompt
@@ -263,5 +263,5 @@ def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None
 
     if not registry.method(method).drafter_folder:
         raise JaxspecError(f"method {method!r} has no drafter")
-    folder = drafter_folder(model, method, Path(path) if path else None)
+    folder = chosen_drafter_folder(model, method, Path(path) if path else None)
     return load(folder, method, model.cfg)

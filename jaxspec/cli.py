@@ -26,7 +26,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run_main(fn: Callable, argv=None) -> None:
     """Run a tool's main: a JaxspecError is its message, anything unexpected one line naming
-    the exception (the traceback with JAXSPEC_DEBUG=1); a warning is one line too."""
+    the exception (the traceback with JAXSPEC_DEBUG=1); a warning is one line too (printed,
+    so pytest.warns around a tool's main sees none)."""
     try:
         with warnings.catch_warnings():
             if not os.environ.get(DEBUG_ENV):

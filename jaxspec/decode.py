@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.base import Drafter, DraftInputs, Entered, NoDrafter
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 from jaxspec.generate import (
     MIN_PROMPT_BUCKET,
     GenerationResult,
@@ -456,8 +456,8 @@ class SpeculativeGenerator:
             raise JaxspecError(
                 f"a verify step of {self.tree.label} with batch {batch} and a {cache_len}-slot "
                 f"cache needs about {need / 1e9:.1f} GB, more than the {have / 1e9:.1f} GB "
-                f"available ({where}); use a smaller tree, fewer prompts at once or fewer "
-                "--max-new-tokens"
+                f"available ({where}); use a smaller tree, fewer prompts at once or a smaller "
+                f"{option('max_new_tokens')}"
             )
 
     def lowerings(self, pre_args, cache: KVCache) -> dict[str, tuple[Callable, tuple, dict]]:

@@ -23,16 +23,17 @@ SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "h
 def fingerprint(model) -> str:
     """The model's (cfg, params) sizes and the first and last SAMPLE elements of every weight
     as bfloat16 bits: the same for one model in either dtype, from any file format, on any
-    mesh; different for other weights."""
+    mesh or process group; different for other weights."""
     shape = {k: getattr(model.cfg, k) for k in SHAPE}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     flat = jax.tree_util.tree_flatten_with_path(
         model.params, is_leaf=lambda x: isinstance(x, (OutIn, PlainProducts))
     )[0]
     paths = [jax.tree_util.keystr(path) for path, _ in flat]
-    samples = _samples([leaf for _, leaf in flat])
-    if jax.process_count() > 1:  # weights split over processes: each sees the whole sample
-        samples = multihost_utils.process_allgather(samples, tiled=True)
+    samples = [  # a weight split over processes: each process gathers its whole sample
+        s if s.is_fully_addressable else multihost_utils.process_allgather(s, tiled=True)
+        for s in _samples([leaf for _, leaf in flat])
+    ]
     for path, sample in zip(paths, samples, strict=True):
         digest.update(path.encode())
         digest.update(np.asarray(sample).view(np.uint16).tobytes())

@@ -29,8 +29,7 @@ def checked_max_len(max_len: int | None, max_position: int) -> int:
     if not 1 <= max_len <= max_position:
         raise JaxspecError(
             f"{option('max_len')} {max_len} is outside the model's context of {max_position} "
-            f"positions; "
-            f"pass 1 to {max_position} (or leave it out)"
+            f"positions; pass 1 to {max_position} (or leave it out)"
         )
     return max_len
 

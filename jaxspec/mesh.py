@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxspec.config import LlamaConfig
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 from jaxspec.param_table import entries, logical_axes
 
 MESH_AXES = ("data", "model")
@@ -47,13 +47,13 @@ def parse_mesh(text: str) -> dict[str, int]:
         shape[name] = int(size)
     if not parts or len(given) < len(parts):
         raise JaxspecError(
-            f"--mesh {text!r}: expected AXIS=N pairs, each AXIS of {', '.join(MESH_AXES)} at "
-            "most once and N >= 1, e.g. --mesh data=1,model=2"
+            f"{option('mesh')} {text!r}: expected AXIS=N pairs, each AXIS of "
+            f"{', '.join(MESH_AXES)} at most once and N >= 1, e.g. data=1,model=2"
         )
     if (n := math.prod(shape.values())) > MAX_MESH_DEVICES:
         raise JaxspecError(
-            f"--mesh {text!r} asks for {n} devices; a mesh holds at most {MAX_MESH_DEVICES}: "
-            "pick smaller axes"
+            f"{option('mesh')} {text!r} asks for {n} devices; a mesh holds at most "
+            f"{MAX_MESH_DEVICES}: pick smaller axes"
         )
     return shape
 

@@ -12,7 +12,7 @@ from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.base import default_tree, resolve_tree
 from jaxspec.drafters.registry import METHODS, SDSAT_LOOPS, check_options, method
 from jaxspec.drafters.retrieval import RetrievalDrafter
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 from jaxspec.llama import compute_params
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling
@@ -36,7 +36,7 @@ def shipped_drafter(cfg, method: str) -> Path:
     return DRAFTERS_DIR / cfg.folder_name / method
 
 
-def drafter_folder(model: LoadedModel, method: str, given: Path | None) -> Path:
+def chosen_drafter_folder(model: LoadedModel, method: str, given: Path | None) -> Path:
     """The given drafter folder, else the one shipped for the model's name. A shipped
     drafter trained for other weights (another model of that name: a fine-tune's config
     often keeps its base's) is a warning: the tokens stay exact, fewer drafts are accepted."""
@@ -50,10 +50,10 @@ def drafter_folder(model: LoadedModel, method: str, given: Path | None) -> Path:
         warnings.warn(
             f"the shipped {method} drafter for {model.cfg.folder_name!r} ({folder}) was trained "
             f"for other weights than {model.path}: the tokens stay exact, but fewer drafts "
-            f"may be accepted; pass a drafter folder (--drafter DIR) or train one with "
+            f"may be accepted; pass a drafter folder ({option('drafter')}) or train one with "
             f"`jaxspec-train {method}`",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=1,
         )
     return folder
 
@@ -114,14 +114,14 @@ def build_ppd(model: LoadedModel, m, drafter_dir, tree, sampling, max_len, produ
     from jaxspec.ppd import PpdGenerator, head_name
 
     if sampling is not None and not sampling.greedy:
-        raise JaxspecError("ppd decodes greedily: drop --temperature (or set it to 0)")
+        raise JaxspecError(f"ppd decodes greedily: set {option('temperature')} to 0")
     split = 1 if model.mesh is None else model.mesh.shape["model"]
     if model.mesh is not None and model.mesh.shape["data"] > 1:
         raise JaxspecError(
-            "ppd pipelines one sequence at a time: use --mesh data=1,model=M (each of its "
-            "k + 1 stages then holds the model split M ways)"
+            f"ppd pipelines one sequence at a time: use {option('mesh')} data=1,model=M (each "
+            "of its k + 1 stages then holds the model split M ways)"
         )
-    drafter_dir = drafter_folder(model, m.name, drafter_dir)
+    drafter_dir = chosen_drafter_folder(model, m.name, drafter_dir)
     default_layer, heads = None, {}
     if drafter_dir.is_dir():
         stored = load_drafter(drafter_dir, m.name, model.cfg)
@@ -152,7 +152,7 @@ def build_speculative(
     model, its tree chosen, the drafter specialised for that tree."""
     from jaxspec.drafters.store import check_weights, load_drafter
 
-    drafter_dir = drafter_folder(model, m.name, drafter_dir)
+    drafter_dir = chosen_drafter_folder(model, m.name, drafter_dir)
     settings, drafter_params, data = load_drafter(drafter_dir, m.name, model.cfg)
     retrieval = options.pop("retrieval", 0)
     drafter = m.drafter_class().from_settings(model.cfg, settings, **options)

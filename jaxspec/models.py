@@ -45,7 +45,8 @@ class LoadedModel:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Which weights these are (jaxspec.fingerprint), computed once."""
+        """Which weights these are (jaxspec.fingerprint), computed once: the weights as
+        loaded (assigning other params leaves it stale)."""
         from jaxspec.fingerprint import fingerprint
 
         return fingerprint(self)

@@ -139,3 +139,14 @@ def test_bfloat16_weights_stay_lossless_on_the_default_model(models, method):
         spec = build_generator(bf16, method, tree="searched-16").generate(ids, 48)
         assert spec.token_ids == ar.token_ids
         assert spec.steps < ar.steps
+
+
+def test_the_shipped_drafters_were_trained_for_the_default_model(models):
+    """Their stamps are the default model's weights (in either dtype): no warning."""
+    from jaxspec.drafters.store import base_weights
+    from jaxspec.methods import DRAFTERS_DIR
+    from jaxspec.models import load_model
+
+    model = models[0]
+    stamps = {base_weights(p.parent) for p in DRAFTERS_DIR.glob(f"{model.cfg.name}/*/drafter.json")}
+    assert stamps == {model.fingerprint} == {load_model(dtype="bfloat16").fingerprint}

@@ -122,15 +122,19 @@ from jaxspec.fingerprint import fingerprint
 from jaxspec.llama import init_params
 from jaxspec.mesh import make_mesh, shard_params
 cfg = jaxspec.config.LlamaConfig(**json.loads(sys.argv[3]))
-params = shard_params(init_params(cfg, jax.random.key(0)), cfg, make_mesh({"data": 1, "model": 3}))
+params = init_params(cfg, jax.random.key(0))
+if sys.argv[4] == "split":
+    params = shard_params(params, cfg, make_mesh({"data": 1, "model": 3}))
 print(fingerprint(SimpleNamespace(cfg=cfg, params=params)))
 """
 
 
 @pytest.mark.slow  # CI time (~15 s, three processes)
-def test_the_weights_fingerprint_of_a_model_split_over_three_processes():
-    """Each process of a group holding a third of every weight computes the fingerprint one
-    process does (jaxspec.fingerprint: drafters and training folders are checked by it)."""
+@pytest.mark.parametrize("weights", ["split", "whole"])
+def test_the_weights_fingerprint_in_a_group_of_three_processes(weights):
+    """Each process of a group, holding a third of every weight or all of them, computes
+    the fingerprint one process does (jaxspec.fingerprint: drafters and training folders
+    are checked by it)."""
     from types import SimpleNamespace
 
     from jaxspec.fingerprint import fingerprint
@@ -140,8 +144,9 @@ def test_the_weights_fingerprint_of_a_model_split_over_three_processes():
     coordinator, cfg = f"127.0.0.1:{free_port()}", json.dumps(CFG3.to_dict())
     env = {**os.environ, "XLA_FLAGS": NO_LLVM_OPTIMISATION}  # one device each
     procs = [
-        subprocess.Popen([sys.executable, "-c", FINGERPRINT, coordinator, str(i), cfg], cwd=ROOT,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", FINGERPRINT, coordinator, str(i), cfg, weights],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
         for i in range(3)
     ]  # fmt: skip
     outs = [p.communicate(timeout=300) for p in procs]

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxspec.config import LlamaConfig, plain_name, preset
@@ -166,3 +167,21 @@ def test_a_shipped_drafter_for_other_weights_of_its_name_is_a_warning(tiny_ckpt,
         build()
     with pytest.warns(RuntimeWarning, match="trained for other weights"):
         jaxspec.load_drafter(loaded, "medusa")
+    from jaxspec.ppd import PpdSettings
+
+    identity = {"w": np.eye(cfg.dim, dtype=np.float32), "b": np.zeros(cfg.dim, np.float32)}
+    save_drafter(shipped_drafter(cfg, "ppd"), "ppd", PpdSettings(layers=(1,), default_layer=1),
+                 {"heads": {"layer1": identity}}, cfg, "", base_weights=other)  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"shipped ppd drafter .* trained for other weights"):
+        jaxspec.Generator(loaded, "ppd")
+
+
+def test_the_shipped_drafters_name_the_weights_of_one_model():
+    """Every drafter shipped for the default model names the same weights (the slow
+    tests/test_default_model.py checks they are the default model's)."""
+    from jaxspec.drafters.store import base_weights
+
+    folders = [p.parent for p in DRAFTERS_DIR.glob("SmolLM2-135M-Instruct/*/drafter.json")]
+    assert len(folders) == 6
+    stamps = {base_weights(folder) for folder in folders}
+    assert len(stamps) == 1 and None not in stamps

@@ -85,7 +85,7 @@ class FirpDrafter(Drafter):
         if isinstance(tree, DynamicTree):  # its nodes change every step
             if firp_chains:
                 raise JaxspecError(
-                    f"pseudo chains go on every node of {tree.label}: drop --firp-chains"
+                    f"pseudo chains go on every node of {tree.label}: drop {option('firp_chains')}"
                 )
             return self
         n_chains = settings.chains if firp_chains is None else firp_chains
@@ -96,7 +96,7 @@ class FirpDrafter(Drafter):
         if 0 < n_chains < tree.n_nodes and "test_topk_accuracy" not in data:
             raise JaxspecError(
                 "this FIRP drafter has no measured accuracies to place chains with; "
-                "retrain it or use --firp-chains 0 (every node)"
+                f"retrain it or set {option('firp_chains')} to 0 (every node)"
             )
         return self.with_chains(tree, data.get("test_topk_accuracy"), n_chains)
 

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.settings import DrafterSettings
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, option
 
 WEIGHTS, META, DATA = "drafter.safetensors", "drafter.json", "drafter_data.safetensors"
 
@@ -30,7 +30,7 @@ class StoredDrafter(NamedTuple):
     data: dict[str, np.ndarray]
 
 
-def fingerprint(cfg: LlamaConfig) -> dict:
+def base_model_sizes(cfg: LlamaConfig) -> dict:
     return {
         "vocab_size": cfg.vocab_size,
         "dim": cfg.dim,
@@ -102,7 +102,7 @@ def save_drafter(
         save_file({k: np.ascontiguousarray(v) for k, v in data.items()}, str(out / DATA))
     else:
         (out / DATA).unlink(missing_ok=True)
-    base_model = fingerprint(base) | ({"weights": base_weights} if base_weights else {})
+    base_model = base_model_sizes(base) | ({"weights": base_weights} if base_weights else {})
     meta = {"method": method, "settings": settings.to_json(), "base_model": base_model}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     (out / "CARD.md").write_text(card)
@@ -167,12 +167,12 @@ def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) 
     if not (path / META).is_file() or not (path / WEIGHTS).is_file():
         raise JaxspecError(
             f"no drafter at {path} (needs {META} and {WEIGHTS}); train one with "
-            f"`jaxspec-train {method}` or pass --drafter DIR"
+            f"`jaxspec-train {method}` or pass a drafter folder ({option('drafter')})"
         )
     meta = read_meta(path / META)
     settings, data = _settings(meta, path, method)
     have = meta.get("base_model", {})
-    want, shape_keys = fingerprint(base), ("vocab_size", "dim", "n_layers")
+    want, shape_keys = base_model_sizes(base), ("vocab_size", "dim", "n_layers")
     if any(want[k] != have.get(k) for k in shape_keys):
         raise JaxspecError(
             f"drafter {path} was trained for {have.get('name')!r} "
