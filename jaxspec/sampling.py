@@ -56,7 +56,7 @@ class Sampling:
         for name, (kind, make, what) in FIELD_KINDS.items():
             value = getattr(self, name)
             flag = isinstance(value, (bool, np.bool_))
-            if not isinstance(value, kind) or (flag and name != "typical"):
+            if not isinstance(value, kind) or (flag and make is not bool):
                 raise JaxspecError(f"{option(name)} must be {what}, got {value!r}")
             object.__setattr__(self, name, make(value))  # numpy scalars as Python's
         if not math.isfinite(self.temperature) or self.temperature < 0:

@@ -21,6 +21,7 @@ from jaxspec.fingerprint import fingerprint
 from jaxspec.llama import compute_params, init_params
 from jaxspec.mesh import make_mesh, shard_params
 from jaxspec.methods import DRAFTERS_DIR, shipped_drafter
+from jaxspec.models import LoadedModel
 from train.model_stamp import STAMP, claim, claimed_folder, training_folder
 
 CFG = dataclasses.replace(preset("tiny-gqa"), vocab_size=96)  # splits over model=2
@@ -63,9 +64,9 @@ def test_an_hf_folders_name_is_its_configs_else_the_folders(tmp_path):
     assert read_hf_config(snapshot).name == "Tiny-7B"
 
 
-def model(key: int = 0, params=None, path="m") -> SimpleNamespace:
+def model(key: int = 0, params=None, path="m") -> LoadedModel:
     params = init_params(CFG, jax.random.key(key)) if params is None else params
-    return SimpleNamespace(cfg=CFG, params=params, path=Path(path), mesh=None, tokenizer=object())
+    return LoadedModel(Path(path), CFG, params, tokenizer=object())
 
 
 def test_a_fingerprint_is_the_weights_not_their_dtype_layout_or_mesh():
@@ -118,7 +119,7 @@ def test_train_claims_its_shared_folder_and_needs_a_tokenizer(tmp_path, monkeypa
     with pytest.raises(JaxspecError, match="another model"):
         skeleton.train(Counting, parse(trainer_parser("medusa", None), argv))
     assert seen == [tmp_path / "work"]
-    bare = SimpleNamespace(**{**vars(model()), "tokenizer": None})
+    bare = dataclasses.replace(model(), tokenizer=None)
     monkeypatch.setattr(skeleton, "load_model", lambda path, mesh: bare)
     with pytest.raises(JaxspecError, match="has no tokenizer, and training encodes prompts"):
         skeleton.train(

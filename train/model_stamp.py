@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jaxspec.checkpoint import jaxspec_home
 from jaxspec.errors import JaxspecError
-from jaxspec.fingerprint import fingerprint
+from jaxspec.models import LoadedModel
 from jaxspec.outputs import write_text
 
 STAMP = "model.json"
@@ -30,12 +30,12 @@ def claimed_folder(model) -> Path:
     return folder
 
 
-def claim(folder: Path, model) -> None:
+def claim(folder: Path, model: LoadedModel) -> None:
     """Stamps `folder` with the model's fingerprint, or checks the stamp already there: a
     folder stamped by other weights is a one-line error (before any of its data is read)."""
     folder = Path(folder)
     stamp = folder / STAMP
-    mine = {"fingerprint": fingerprint(model), "model": model.cfg.name, "source": str(model.path)}
+    mine = {"fingerprint": model.fingerprint, "model": model.cfg.name, "source": str(model.path)}
     if stamp.is_file():
         try:
             theirs = json.loads(stamp.read_text())

@@ -32,7 +32,6 @@ from jaxspec.compile_cache import compile_cache, compiles_are_slow, default_dir
 from jaxspec.drafters.settings import DrafterSettings
 from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.fingerprint import fingerprint
 from jaxspec.mesh import make_mesh, parse_mesh
 from jaxspec.methods import provide_devices
 from jaxspec.models import load_model
@@ -206,7 +205,7 @@ class Trainer:
 
     def save(self, result: Result) -> None:
         save_drafter(self.out, self.method, result.settings, result.params, self.cfg, result.card,
-                     result.data, fingerprint(self.model))  # fmt: skip
+                     result.data, self.model.fingerprint)  # fmt: skip
 
     def minutes(self, before: float = 0.0) -> float:
         """Minutes since the run began, plus `before`, rounded for reports."""
