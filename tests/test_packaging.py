@@ -4,7 +4,10 @@ package data and are found there, outside any source checkout."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,3 +76,43 @@ def test_installed_wheel_finds_its_drafters_and_tools(wheel, tmp_path):
     assert Path(drafters) == site / "jaxspec" / "shipped_drafters"
     assert (Path(drafters) / "SmolLM2-135M-Instruct" / "firp" / "drafter.json").is_file()
     assert specs == "None None"
+
+
+def load_check_python():
+    spec = importlib.util.spec_from_file_location("check_python", ROOT / "scripts/check_python.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_python_floor_is_the_one_jax_needs():
+    check = load_check_python()
+    ours = check.required((ROOT / "pyproject.toml").read_text())
+    jax_requires = importlib.metadata.metadata("jax")["Requires-Python"]
+    jax_floor = re.fullmatch(r">=\s*([0-9.]+)", jax_requires)
+    assert ours >= tuple(int(p) for p in jax_floor.group(1).split("."))
+    assert f"Python {'.'.join(map(str, ours))}+" in (ROOT / "README.md").read_text()
+    assert check.problem((*ours, 0), ours) is None and check.problem((3, 99, 1), ours) is None
+    message = check.problem((3, 10, 13), (3, 11))
+    assert message.startswith("error: ") and "\n" not in message
+    assert "Python 3.11 or newer" in message and "3.10.13" in message
+    assert "PYTHON=python3.11" in message
+
+
+def test_make_refuses_an_old_python_before_making_the_venv(tmp_path):
+    for name in ("Makefile", "pyproject.toml", "scripts/check_python.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    old = tmp_path / "python3.10"  # this interpreter, reporting itself as 3.10.13
+    old.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import runpy, sys; "
+        'sys.version_info = (3, 10, 13, "final", 0); sys.argv = sys.argv[1:]; '
+        'runpy.run_path(sys.argv[0], run_name="__main__")\' "$@"\n'
+    )
+    old.chmod(0o755)
+    run = subprocess.run(["make", "setup", f"PYTHON={old}"], cwd=tmp_path, capture_output=True,
+                         text=True)  # fmt: skip
+    assert run.returncode != 0
+    assert "jaxspec needs Python 3.11 or newer" in run.stderr
+    assert "this is Python 3.10.13" in run.stderr
+    assert not (tmp_path / ".venv").exists()
