@@ -150,7 +150,9 @@ def test_export_ppd_programs():
 
 def test_export_nucleus_takes_the_lowering_platforms_path():
     """The top-p filter's path is the target platform's, not the host's: the CPU program
-    searches candidates row by row (a while loop), the CUDA and TPU ones sort every row."""
+    searches top-k candidates row by row (a while loop over rows), the CUDA and TPU ones
+    sort every row and take no top-k. (Not "no while loop" on an accelerator: jax 0.11
+    lowers a GPU cumsum to a scan whose exported form is one.)"""
 
     @jax.jit
     def keep(logits):
@@ -159,9 +161,9 @@ def test_export_nucleus_takes_the_lowering_platforms_path():
     logits = jax.ShapeDtypeStruct((2, 3, 5000), jnp.float32)
     text = {p: jax.export.export(keep, platforms=[p])(logits).mlir_module() for p in
             ("cpu", *export.ACCELERATORS)}  # fmt: skip
-    assert "stablehlo.while" in text["cpu"]
+    assert "stablehlo.while" in text["cpu"] and "chlo.top_k" in text["cpu"]
     for p in export.ACCELERATORS:
-        assert "stablehlo.while" not in text[p] and "stablehlo.sort" in text[p], p
+        assert "chlo.top_k" not in text[p] and "stablehlo.sort" in text[p], p
 
 
 def test_export_refuses_host_callbacks():
