@@ -48,16 +48,21 @@ def run_main(fn: Callable, argv=None) -> None:
     except Exception as e:  # noqa: BLE001 - the one place that turns any failure into a line
         if os.environ.get(DEBUG_ENV):
             raise
-        detail = " ".join(str(e).split())[:300] or "(no message)"
+        detail = _one_line(e)[:300] or "(no message)"
         _fail(f"{type(e).__name__}: {detail}", unexpected=True)
 
 
+def _one_line(text) -> str:
+    """str(text) on one line, whatever it held (newlines, runs of spaces)."""
+    return " ".join(str(text).split())
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+    print(f"warning: {_one_line(message)}", file=file or sys.stderr)
 
 
 def _fail(message: str, unexpected: bool = False) -> None:
-    message = " ".join(message.split())  # one line, whatever the message held
+    message = _one_line(message)
     if unexpected:
         message += f" (run with {DEBUG_ENV}=1 for the traceback)"
     print(f"error: {message}", file=sys.stderr)
