@@ -57,8 +57,9 @@ from jaxspec.verify import (
 # chunk size, whatever the prompt's length): a one-shot prefill of T tokens holds a
 # [heads, T, T] float32 score tensor per layer, which a 32k prompt cannot fit anywhere.
 # Per platform: on CPU 1024-token chunks prefill 2k-8k prompts fastest (BENCHMARKS.md,
-# "Long prompts read the cache in blocks"); GPU and TPU keep 2048 until the device
-# campaign's chunk rows say otherwise (docs/design.md, Long prompts).
+# "Long prompts read the cache in blocks"); on an H200 2048-token chunks prefill an 8k
+# prompt fastest, 4096 within noise, 1024 slower (BENCHMARKS.md, "fifth GPU run"). TPU takes
+# the GPU's until a TPU is measured.
 PREFILL_CHUNK = {"cpu": 1024, "gpu": 2048, "tpu": 2048}
 
 # Verify rows + drafter rows projected together up to this many rows per batch row: on
