@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import signal
 from types import SimpleNamespace
 
 import jax.numpy as jnp
@@ -44,6 +46,8 @@ class Counting(Trainer):
         if step == self.die_at:
             self.manager.wait_until_finished()  # the saves so far on disk, as a kill finds them
             raise KeyboardInterrupt
+        if step == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # caught before the step returns
         return apply_grads(state, {"w": jnp.full(3, step + 1.0)}, self.optimizer), step
 
     def fit(self, manager, state):
@@ -73,10 +77,10 @@ def fit(tmp_path, monkeypatch):
                         on: {"measured on": on})  # fmt: skip
     monkeypatch.setattr(skeleton, "time", SimpleNamespace(perf_counter=lambda: clock.now))
 
-    def fit(*flags, die_at=None, work="work"):
+    def fit(*flags, die_at=None, term_at=None, work="work"):
         argv = ["--work-dir", str(tmp_path / work), "--save-every", "3", *flags]
         trainer = Counting(parse(trainer_parser("medusa", None), argv), MODEL)
-        trainer.clock, trainer.die_at = clock, die_at
+        trainer.clock, trainer.die_at, trainer.term_at = clock, die_at, term_at
         try:
             return trainer, trainer.run(tmp_path / work, tmp_path / "out")
         finally:
@@ -120,6 +124,23 @@ def test_max_minutes_saves_stops_and_a_rerun_goes_on_and_adds_the_minutes(fit, c
     again, rerun = fit("--steps", "3")  # finished: nothing trains, the record is reported
     assert again.ran == [] and rerun["aux"] is None
     assert rerun["train_minutes"] == 4.0 and rerun["w"] == report["w"]
+
+
+def test_sigterm_saves_the_step_in_progress_stops_and_a_rerun_goes_on(fit, capsys, tmp_path):
+    """A scheduler's or `timeout`'s SIGTERM stops the steps as --max-minutes does (the step
+    saved off the --save-every interval, the drafter written, the folder left to finish),
+    and the handler is the caller's again afterwards."""
+    before = signal.getsignal(signal.SIGTERM)
+    _, uninterrupted = fit("--steps", "6", work="whole")
+    stopped, report = fit("--steps", "6", term_at=3)
+    assert stopped.ran == [0, 1, 2, 3] and stopped.saved == [3, 4] and report["step"] == 4
+    assert "SIGTERM: stopped after step 4 of 6" in capsys.readouterr().out
+    assert report["accepted_per_step"] == {"measured on": {"rows": 2}}  # the drafter's finish
+    assert (tmp_path / "out" / UNFINISHED).is_file()
+    assert signal.getsignal(signal.SIGTERM) == before
+    resumed, report = fit("--steps", "6")
+    assert resumed.ran == [4, 5] and report["step"] == 6
+    np.testing.assert_array_equal(report["w"], uninterrupted["w"])
 
 
 def test_a_run_killed_while_it_writes_its_drafter_finishes_when_rerun(fit, monkeypatch, tmp_path):

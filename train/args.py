@@ -107,7 +107,8 @@ def trainer_parser(
             "--max-minutes",
             type=positive_float,
             help="stop after this many minutes of the run (making its data counts), save, "
-            "and write the drafter from the weights so far; the same command resumes later",
+            "and write the drafter from the weights so far; the same command resumes later "
+            "(a SIGTERM during the steps stops them the same way)",
         )
     p.add_argument("--seed", type=seed, default=0)
     return p

@@ -17,10 +17,14 @@ class attributes below); firp (staged maps) and sdsat's full mode replace a few 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import signal
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import jax
@@ -185,22 +189,24 @@ class Trainer:
         return report
 
     def fit(self, manager, state):
-        """Steps from the state's to --steps (or until --max-minutes of the run have passed),
-        each saved on the --save-every interval and the last one always -> (state, the last
-        step's aux or None)."""
+        """Steps from the state's to --steps (or until --max-minutes of the run have passed,
+        or a SIGTERM came), each saved on the --save-every interval and the last one always
+        -> (state, the last step's aux or None)."""
         steps, aux, limit = self.args.steps, None, self.args.max_minutes
         desc = self.desc or f"train {self.method}"
         bar = tqdm(range(int(state["step"]), steps), desc=desc, unit="step")
-        for step in bar:
-            state, aux = self.step(state, step)
-            if (step + 1) % self.show_every == 0 and (postfix := self.shown(aux)):
-                bar.set_postfix(**postfix)
-            out_of_time = limit is not None and time.perf_counter() - self.start_time >= limit * 60
-            save(manager, step + 1, state, last=step + 1 == steps or out_of_time)
-            if out_of_time and step + 1 < steps:
-                bar.close()
-                print(f"--max-minutes {limit:g}: stopped after step {step + 1} of {steps}")
-                break
+        with sigterm_stops() as stop:
+            for step in bar:
+                state, aux = self.step(state, step)
+                if (step + 1) % self.show_every == 0 and (postfix := self.shown(aux)):
+                    bar.set_postfix(**postfix)
+                late = limit is not None and time.perf_counter() - self.start_time >= limit * 60
+                why = stop.reason or (f"--max-minutes {limit:g}" if late else None)
+                save(manager, step + 1, state, last=step + 1 == steps or why is not None)
+                if why and step + 1 < steps:
+                    bar.close()
+                    print(f"{why}: stopped after step {step + 1} of {steps}")
+                    break
         return state, aux
 
     def save(self, result: Result) -> None:
@@ -222,6 +228,31 @@ class Trainer:
                 update["train_minutes"] = self.minutes(record.get("train_minutes", 0.0))
             record = run_record(self.work, self.args, update)
         return record
+
+
+@contextlib.contextmanager
+def sigterm_stops():
+    """While the steps run, a SIGTERM (a scheduler's or `timeout`'s stop) ends them after the
+    step in progress as --max-minutes does: saved, the drafter written from the weights so
+    far, the same command going on from there; a second SIGTERM acts as it did before. Only
+    the main thread can catch signals: elsewhere nothing changes. -> a namespace whose
+    `reason` is "SIGTERM" once one came."""
+    stop = SimpleNamespace(reason=None)
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    before = signal.SIG_DFL if before is None else before  # set outside Python
+
+    def caught(signum, frame):
+        stop.reason = "SIGTERM"
+        signal.signal(signal.SIGTERM, before)
+
+    signal.signal(signal.SIGTERM, caught)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def train(kind: type[Trainer], args) -> dict:
