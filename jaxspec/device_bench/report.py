@@ -45,21 +45,23 @@ COLUMNS = {
         ("tokens_per_s", "tokens/s", "{:.1f}"),
         ("speedup", "speedup", "{:.2f}x"),
         ("mean_accepted", "mean accepted", "{:.2f}"),
-        ("acceptance_by_depth", "accepted at depth 1 / 2 / 3 / 4", "depths"),
+        (
+            "acceptance_by_depth",
+            "accepted at depth 1 / 2 / 3 / 4",
+            lambda depths: " / ".join(f"{x:.2f}" for x in depths[:4]),
+        ),
         ("match_ar", "match_ar", "{:.2f}"),
     ],
 }
 COLUMNS["verify_wide"] = COLUMNS["verify"]
 
 
-def cell(row: dict, key: str, fmt: str) -> str:
-    """fmt: a format string, or "depths" for a list's first 4 entries (fractions)."""
+def cell(row: dict, key: str, fmt) -> str:
+    """fmt: a format string, or a function of the value."""
     value = row.get(key)
     if value is None:
         return ""
-    if fmt == "depths":
-        return " / ".join(f"{x:.2f}" for x in value[:4])
-    return fmt.format(value)
+    return fmt(value) if callable(fmt) else fmt.format(value)
 
 
 def table(name: str, rows: list[dict]) -> list[str]:
