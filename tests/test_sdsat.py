@@ -3,6 +3,8 @@ training trains, greedy two-step decoding equals AR, training resumes and ships.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -372,3 +374,30 @@ def test_the_papers_schedule_warms_up_a_fifth_and_trains_even_one_step():
     assert float(ten(0)) == 0.0 and float(ten(2)) == 1.0 and 0.2 < float(ten(9)) < 1.0
     assert float(paper_schedule(1.0, 2)(0)) == 0.0  # one warm-up step, then the decay
     assert float(paper_schedule(1.0, 1)(0)) == 1.0  # no warm-up: its one step trains
+
+
+@pytest.mark.parametrize("anneal", ["steps", "minutes"])
+def test_the_adapters_optimizer_is_the_papers_adamw_on_its_schedule(anneal):
+    """AdamW with beta2 0.95 and no weight decay on the paper's schedule; under --anneal
+    minutes the same updates when each step's rate is set from that schedule."""
+    import optax
+
+    from train.optim import apply_grads, paper_schedule
+    from train.sdsat import Sdsat
+
+    trainer = object.__new__(Sdsat)
+    trainer.args = SimpleNamespace(lr=0.1, steps=10, anneal=anneal)
+    ours, paper = trainer.make_optimizer(), optax.adamw(paper_schedule(0.1, 10), b2=0.95,
+                                                        weight_decay=0.0)  # fmt: skip
+    states = [{"params": {"w": jnp.zeros(2)}, "step": 0} for _ in range(2)]
+    for state, optimizer in zip(states, (ours, paper), strict=True):
+        state["opt_state"] = optimizer.init(state["params"])
+    for step in range(4):
+        if anneal == "minutes":  # what Trainer.clock_rate sets, the clock not ahead
+            hyper = {**states[0]["opt_state"].hyperparams,
+                     "learning_rate": jnp.float32(paper_schedule(0.1, 10)(step))}  # fmt: skip
+            states[0]["opt_state"] = states[0]["opt_state"]._replace(hyperparams=hyper)
+        grads = {"w": jnp.array([1.0, -2.0]) * (step + 1)}
+        states = [apply_grads(s, grads, o) for s, o in zip(states, (ours, paper), strict=True)]
+    assert float(jnp.abs(states[1]["params"]["w"]).min()) > 0.01  # it moved
+    np.testing.assert_allclose(states[0]["params"]["w"], states[1]["params"]["w"], rtol=1e-6)

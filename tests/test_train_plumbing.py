@@ -70,16 +70,17 @@ class Split(Counting):
 
 @pytest.fixture
 def fit(tmp_path, monkeypatch):
-    """fit(*flags, die_at=step index) -> (trainer, report): a run in tmp_path/work with
-    --save-every 3 on a clock that only the steps move (a minute each)."""
+    """fit(*flags, die_at=step index, kind=a Counting subclass) -> (trainer, report): a run
+    in tmp_path/work with --save-every 3 on a clock that only the steps move (a minute
+    each)."""
     clock = SimpleNamespace(now=1000.0)
     monkeypatch.setattr(skeleton, "measure_acceptance", lambda model, method, out, settings,
                         on: {"measured on": on})  # fmt: skip
     monkeypatch.setattr(skeleton, "time", SimpleNamespace(perf_counter=lambda: clock.now))
 
-    def fit(*flags, die_at=None, term_at=None, work="work"):
+    def fit(*flags, die_at=None, term_at=None, work="work", kind=None):
         argv = ["--work-dir", str(tmp_path / work), "--save-every", "3", *flags]
-        trainer = Counting(parse(trainer_parser("medusa", None), argv), MODEL)
+        trainer = (kind or Counting)(parse(trainer_parser("medusa", None), argv), MODEL)
         trainer.clock, trainer.die_at, trainer.term_at = clock, die_at, term_at
         try:
             return trainer, trainer.run(tmp_path / work, tmp_path / "out")
@@ -124,6 +125,45 @@ def test_max_minutes_saves_stops_and_a_rerun_goes_on_and_adds_the_minutes(fit, c
     again, rerun = fit("--steps", "3")  # finished: nothing trains, the record is reported
     assert again.ran == [] and rerun["aux"] is None
     assert rerun["train_minutes"] == 4.0 and rerun["w"] == report["w"]
+
+
+class Constant(Counting):
+    """Every step's gradient is 1: AdamW moves each weight by the step's learning rate."""
+
+    def step(self, state, step):
+        self.ran.append(step)
+        self.clock.now += 60.0
+        return apply_grads(state, {"w": jnp.ones(3)}, self.optimizer), step
+
+
+def cosine(steps: int, *at: float) -> float:
+    """The sum of the cosine decay's rates (from 1 to 0 over `steps`) at the steps `at`."""
+    return sum((1 + np.cos(np.pi * a / steps)) / 2 for a in at)
+
+
+def test_anneal_minutes_ends_the_decay_with_the_clock_and_a_rerun_takes_it_up(fit):
+    """--max-minutes 4.5 after half a minute of data leaves 4 one-minute steps of 10: with
+    --anneal minutes the clock starts when the first (its compile) is done, and the other
+    three take the cosine's rates at 1, 10/3 and 20/3 (their place in the 3 minutes left,
+    ahead of the steps' 1, 2, 3); the rerun, with minutes to spare, goes on at the steps'
+    place (4..9) from the restored optimizer state."""
+    flags = ("--lr", "0.1", "--steps", "10", "--max-minutes", "4.5")
+    stopped, report = fit(*flags, "--anneal", "minutes", kind=Constant)
+    assert stopped.ran == [0, 1, 2, 3]
+    clock = (0, 1, 10 / 3, 20 / 3)
+    np.testing.assert_allclose(report["w"], [-0.1 * cosine(10, *clock)] * 3, atol=1e-5)
+    _, plain = fit(*flags, work="plain", kind=Constant)
+    np.testing.assert_allclose(plain["w"], [-0.1 * cosine(10, 0, 1, 2, 3)] * 3, atol=1e-5)
+    more = ("--lr", "0.1", "--steps", "10", "--max-minutes", "100", "--anneal", "minutes")
+    resumed, report = fit(*more, kind=Constant)
+    assert resumed.ran == [4, 5, 6, 7, 8, 9]
+    rates = cosine(10, *clock, *range(4, 10))
+    np.testing.assert_allclose(report["w"], [-0.1 * rates] * 3, atol=1e-5)
+
+
+def test_anneal_minutes_needs_the_minutes():
+    with pytest.raises(JaxspecError, match="--anneal minutes .* give them with --max-minutes"):
+        parse(trainer_parser("medusa", None), ["--anneal", "minutes"])
 
 
 def test_sigterm_saves_the_step_in_progress_stops_and_a_rerun_goes_on(fit, capsys, tmp_path):

@@ -110,6 +110,15 @@ def trainer_parser(
             "and write the drafter from the weights so far; the same command resumes later "
             "(a SIGTERM during the steps stops them the same way)",
         )
+        p.add_argument(
+            "--anneal",
+            choices=("steps", "minutes"),
+            default="steps",
+            help="where the learning rate's decay ends: at --steps, or (minutes) also when "
+            "--max-minutes does, whichever comes first, so that a run the clock stops writes a "
+            "drafter trained to the schedule's end whatever the pace of its steps (a loan's "
+            "fixed minutes); a rerun takes the schedule up at its step",
+        )
     p.add_argument("--seed", type=seed, default=0)
     return p
 
@@ -117,6 +126,9 @@ def trainer_parser(
 def parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     """The trainer's arguments, with the folders given checked before anything loads."""
     args = p.parse_args(argv)
+    if getattr(args, "anneal", "steps") == "minutes" and args.max_minutes is None:
+        raise JaxspecError("--anneal minutes ends the learning rate's decay with the run's "
+                           "minutes: give them with --max-minutes")  # fmt: skip
     check_folders(args, args.out, args.work_dir)
     init = getattr(args, "init", None)
     if init is not None and not all((init / f).is_file() for f in (META, WEIGHTS)):

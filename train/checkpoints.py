@@ -30,6 +30,7 @@ LATER_FLAGS = {
     "blocks": 1,
     "rows_within": 0,
     "loss_top": 0,
+    "anneal": "steps",
 }
 
 

@@ -12,11 +12,6 @@ def paper_schedule(lr: float, steps: int):
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, steps, end_value=lr / 5)
 
 
-def paper_schedule_adamw(lr: float, steps: int):
-    """SDSAT's recipe: AdamW (beta2 0.95) on `paper_schedule`."""
-    return optax.adamw(paper_schedule(lr, steps), b2=0.95, weight_decay=0.0)
-
-
 def apply_grads(state: dict, grads, optimizer) -> dict:
     """One optimizer update of a {"params", "opt_state", "step"} training state."""
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])

@@ -39,7 +39,7 @@ from jaxspec.tree import DynamicTree, searched_trees, tree_preset
 from . import skeleton
 from .args import parse, trainer_parser
 from .checkpoints import command_flags, started_from
-from .optim import apply_grads, paper_schedule_adamw
+from .optim import apply_grads, paper_schedule
 from .skeleton import Result, Trainer
 
 SEARCHED_SIZES = (4, 6, 8, 16)  # the trees searched for a trained adapter: searched-N
@@ -222,8 +222,10 @@ class Sdsat(Trainer):
         self.train_data, self.test_data = self.answers()
         self.drafter = SdsatDrafter(self.cfg, self.args.rank, self.args.ids)
 
-    def make_optimizer(self):
-        return paper_schedule_adamw(self.args.lr, self.args.steps)
+    adamw = {"b2": 0.95, "weight_decay": 0.0}  # the paper's
+
+    def schedule(self):
+        return paper_schedule(self.args.lr, self.args.steps)
 
     def fresh(self):
         return self.drafter.init(self.model.params, jax.random.key(self.args.seed))

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
@@ -132,11 +133,22 @@ class Trainer:
         """Data and drafter, kept on self."""
         raise NotImplementedError
 
+    adamw: ClassVar[dict] = {"weight_decay": 0.0}  # AdamW's settings besides the rate
+
+    def schedule(self):
+        """The learning rate by step: cosine decay from --lr to 0 over --steps."""
+        return optax.cosine_decay_schedule(self.args.lr, self.args.steps)
+
+    @property
+    def anneals_by_clock(self) -> bool:
+        return getattr(self.args, "anneal", "steps") == "minutes"
+
     def make_optimizer(self):
-        """AdamW, cosine decay from --lr over --steps."""
-        return optax.adamw(
-            optax.cosine_decay_schedule(self.args.lr, self.args.steps), weight_decay=0.0
-        )
+        """AdamW on `schedule`; with --anneal minutes the rate is a hyperparameter in the
+        optimizer state, set before each step (`clock_rate`)."""
+        if self.anneals_by_clock:
+            return optax.inject_hyperparams(optax.adamw)(learning_rate=self.args.lr, **self.adamw)
+        return optax.adamw(self.schedule(), **self.adamw)
 
     def fresh(self):
         """A new drafter's params."""
@@ -195,9 +207,13 @@ class Trainer:
         steps, aux, limit = self.args.steps, None, self.args.max_minutes
         desc = self.desc or f"train {self.method}"
         bar = tqdm(range(int(state["step"]), steps), desc=desc, unit="step")
+        began = None  # when this invocation's first step (its compile) was done
         with sigterm_stops() as stop:
             for step in bar:
+                if self.anneals_by_clock:
+                    state = self.clock_rate(state, step, began)
                 state, aux = self.step(state, step)
+                began = began or time.perf_counter()
                 if (step + 1) % self.show_every == 0 and (postfix := self.shown(aux)):
                     bar.set_postfix(**postfix)
                 late = limit is not None and time.perf_counter() - self.start_time >= limit * 60
@@ -208,6 +224,23 @@ class Trainer:
                     print(f"{why}: stopped after step {step + 1} of {steps}")
                     break
         return state, aux
+
+    def clock_rate(self, state, step: int, began: float | None):
+        """-> state with step's learning rate under --anneal minutes: the schedule's at the
+        later of the step's place in --steps and the clock's (the time since this
+        invocation's first step `began`, None before it, over what --max-minutes leaves
+        from there, scaled to --steps), so the rate reaches its end when the minutes do, at
+        whatever pace the steps go (the first step's compile not counted as training)."""
+        spent = 0.0
+        if began is not None:
+            left = self.args.max_minutes * 60 - (began - self.start_time)
+            spent = min((time.perf_counter() - began) / left, 1.0) if left > 0 else 1.0
+        opt = state["opt_state"]
+        old = opt.hyperparams["learning_rate"]
+        rate = self.schedule()(max(step, spent * self.args.steps))
+        rate = jax.device_put(jnp.asarray(rate, old.dtype), old.sharding)
+        hyper = {**opt.hyperparams, "learning_rate": rate}
+        return {**state, "opt_state": opt._replace(hyperparams=hyper)}
 
     def save(self, result: Result) -> None:
         save_drafter(self.out, self.method, result.settings, result.params, self.cfg, result.card,
