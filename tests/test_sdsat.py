@@ -393,10 +393,8 @@ def test_the_adapters_optimizer_is_the_papers_adamw_on_its_schedule(anneal):
     for state, optimizer in zip(states, (ours, paper), strict=True):
         state["opt_state"] = optimizer.init(state["params"])
     for step in range(4):
-        if anneal == "minutes":  # what Trainer.clock_rate sets, the clock not ahead
-            hyper = {**states[0]["opt_state"].hyperparams,
-                     "learning_rate": jnp.float32(paper_schedule(0.1, 10)(step))}  # fmt: skip
-            states[0]["opt_state"] = states[0]["opt_state"]._replace(hyperparams=hyper)
+        if anneal == "minutes":  # the rate set before the step, the clock not ahead of it
+            states[0] = trainer.clock_rate(states[0], step, began=None)
         grads = {"w": jnp.array([1.0, -2.0]) * (step + 1)}
         states = [apply_grads(s, grads, o) for s, o in zip(states, (ours, paper), strict=True)]
     assert float(jnp.abs(states[1]["params"]["w"]).min()) > 0.01  # it moved

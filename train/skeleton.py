@@ -146,9 +146,10 @@ class Trainer:
     def make_optimizer(self):
         """AdamW on `schedule`; with --anneal minutes the rate is a hyperparameter in the
         optimizer state, set before each step (`clock_rate`)."""
+        self.rate_at = self.schedule()
         if self.anneals_by_clock:
             return optax.inject_hyperparams(optax.adamw)(learning_rate=self.args.lr, **self.adamw)
-        return optax.adamw(self.schedule(), **self.adamw)
+        return optax.adamw(self.rate_at, **self.adamw)
 
     def fresh(self):
         """A new drafter's params."""
@@ -237,7 +238,7 @@ class Trainer:
             spent = min((time.perf_counter() - began) / left, 1.0) if left > 0 else 1.0
         opt = state["opt_state"]
         old = opt.hyperparams["learning_rate"]
-        rate = self.schedule()(max(step, spent * self.args.steps))
+        rate = self.rate_at(max(step, spent * self.args.steps))
         rate = jax.device_put(jnp.asarray(rate, old.dtype), old.sharding)
         hyper = {**opt.hyperparams, "learning_rate": rate}
         return {**state, "opt_state": opt._replace(hyperparams=hyper)}
