@@ -293,7 +293,8 @@ def test_eagle_training_resumes_and_ships_a_lossless_drafter(trained_eagle):
 def test_eagle_grows_a_block_from_a_trained_drafter(trained_eagle, tmp_path):
     """--init a one-block drafter with --blocks 2: it starts where that drafter ended (its
     step-0 accuracy), trains (here on each answer's first 5 rows: --rows-within's narrower
-    window), and ships a two-block drafter that decodes AR's tokens."""
+    window; on the prompts but the first 2 it trained on: --skip-prompts), and ships a
+    two-block drafter that decodes AR's tokens."""
     import json
 
     import train.eagle as eagle
@@ -302,12 +303,15 @@ def test_eagle_grows_a_block_from_a_trained_drafter(trained_eagle, tmp_path):
     out, _, second, ckpt, _ = trained_eagle
     args = [*tiny_training_args(ckpt, tmp_path), "--rows", "6", "--ttt", "3", "--depth", "3",
             "--init", str(out), "--keep-vocab", "--blocks", "2", "--steps", "2",
-            "--eval-every", "2", "--rows-within", "5"]  # fmt: skip
+            "--eval-every", "2", "--rows-within", "5", "--skip-prompts", "first:2:40"]  # fmt: skip
     (grown,) = train_on_made_up_conversations(eagle, args)
+    answers = np.load(tmp_path / "work/self-train-8-less-first-2-p40-p40-n24.npz")
+    assert len(answers["tokens"]) == 6  # 8 prompts less the 2
     start = grown["history"][0]["test"]  # the float16 weights of the drafter it started from
     np.testing.assert_allclose(start, [acc[0] for acc in second["test_topk_accuracy"]], atol=0.03)
     assert json.loads((tmp_path / "out/drafter.json").read_text())["settings"]["blocks"] == 2
-    assert "2 decoder layers in turn" in (tmp_path / "out/CARD.md").read_text()
+    card = (tmp_path / "out/CARD.md").read_text()
+    assert "2 decoder layers in turn" in card and "the first 2 'first' prompts of <= 40" in card
     model = jaxspec.load_model(ckpt, dtype="float32")
     ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
     got = jaxspec.Generator(model, "eagle", drafter=tmp_path / "out", tree="dynamic-8").generate(

@@ -21,6 +21,7 @@ from train.selfdata import (
     generate_answers,
     grounded_prompts,
     later_turn_prompts,
+    prompt_set,
 )
 
 SETTINGS = {"prompt_len": 40, "new_tokens": 6, "batch": 2}
@@ -268,6 +269,40 @@ def test_every_turn_prompts_hold_the_turns_before_them(model, tmp_path, generate
                                  turns="later")  # fmt: skip
     assert generated == [] and (tmp_path / "self-later-train-3-p1000-n6.npz").is_file()
     assert answers_by_prompt(data) == {tuple(p): reused[tuple(p)] for p in later}
+
+
+def test_skipped_prompts_are_left_out_of_the_answers(model, tmp_path, generated, monkeypatch):
+    """skip "TURNS:N:LEN": the prompts among the first N TURNS prompts of <= LEN tokens (a
+    drafter's training prompts) are neither answered nor in the file, which a name of its
+    own keeps apart and a rerun loads without reading ShareGPT."""
+    import train.features as features
+
+    tok = model.tokenizer
+    chat = [{"from": "human", "value": "w5"}, {"from": "gpt", "value": "w7"},
+            {"from": "human", "value": "w9"}]  # fmt: skip
+    talks = [{"id": "a", "conversations": chat},
+             {"id": "b", "conversations": [{"from": "human", "value": "w21 w22 w23"}]},
+             {"id": "c", "conversations": [{"from": "human", "value": "w24"}]}]  # fmt: skip
+    every = every_turn_prompts(tok, talks, 10, 40)  # a's two turns, b, c
+    shortest = min(len(p) for p in first_turn_prompts(tok, talks, 10, 40))
+    known = first_turn_prompts(tok, talks, 2, shortest)  # the first two this short: a and c
+    assert len(every) == 4 and known == [every[0], every[3]]
+    monkeypatch.setattr(features, "sharegpt_split", lambda split: talks)
+    skip = f"first:2:{shortest}"
+    data = features.self_answers(model, tmp_path, "train", 4, prompt_len=40, new_tokens=6,
+                                 turns="every", skip=skip)  # fmt: skip
+    kept = [p for p in every if p not in known]
+    assert len(kept) == 2 and sorted(sum(generated, [])) == sorted(kept)
+    assert sorted(answers_by_prompt(data)) == sorted(map(tuple, kept))
+    name = f"self-every-train-4-less-first-2-p{shortest}-p40-n6.npz"
+    assert (tmp_path / name).is_file() and not (tmp_path / "self-every-train-4-p40-n6.npz").exists()
+
+    monkeypatch.setattr(features, "sharegpt_split", lambda split: pytest.fail("read ShareGPT"))
+    again = features.self_answers(model, tmp_path, "train", 4, prompt_len=40, new_tokens=6,
+                                  turns="every", skip=skip)  # fmt: skip
+    assert answers_by_prompt(again) == answers_by_prompt(data)
+    with pytest.raises(ValueError, match="takes TURNS:N:LEN"):
+        prompt_set("first:2")
 
 
 def test_dataset_replies_follow_their_prompts(model):

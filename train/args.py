@@ -24,7 +24,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 
 from .checkpoints import run_name
-from .selfdata import ANSWER_BATCH
+from .selfdata import ANSWER_BATCH, prompt_set
 
 
 def int_list(text: str) -> str:
@@ -37,6 +37,15 @@ def int_list(text: str) -> str:
         ) from None
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"takes integers >= 1, got {text!r}")
+    return text
+
+
+def prompt_set_text(text: str) -> str:
+    """TURNS:N:LEN (selfdata.prompt_set), kept as written (run names and cards show it)."""
+    try:
+        prompt_set(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

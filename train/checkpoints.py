@@ -31,6 +31,7 @@ LATER_FLAGS = {
     "rows_within": 0,
     "loss_top": 0,
     "anneal": "steps",
+    "skip_prompts": None,
 }
 
 

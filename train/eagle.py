@@ -54,7 +54,7 @@ from jaxspec.llama import compute_params, draft_vocab, lm_logits, plain_products
 from jaxspec.tree import searched_trees
 
 from . import skeleton
-from .args import parse, trainer_parser
+from .args import parse, prompt_set_text, trainer_parser
 from .checkpoints import command_flags, run_record, started_from
 from .chimera import frequent_tokens, most_frequent, row_range, sample_rows, vocab_coverage
 from .features import (
@@ -66,7 +66,7 @@ from .features import (
     with_states,
 )
 from .optim import apply_grads
-from .selfdata import TURNS, question_answers
+from .selfdata import TURNS, prompt_set, question_answers
 from .skeleton import Result, Trainer
 
 STATES = ("cached", "live")  # where the training answers' states come from
@@ -135,6 +135,15 @@ def parse_args(argv):
         "of every kind it was tuned on); the test split's stay ShareGPT's first turns",
     )
     p.add_argument(
+        "--skip-prompts",
+        metavar="TURNS:N:LEN",
+        type=prompt_set_text,
+        help="leave out of the training prompts those among the first N --turns TURNS "
+        "prompts of <= LEN tokens, e.g. the ones the --init drafter trained on (its card's "
+        "command: first:6400:128 for --train-seqs 6400 --prompt-len 128), so that the answers "
+        "made and the steps go to prompts new to it",
+    )
+    p.add_argument(
         "--answers",
         choices=ANSWERS,
         default="self",
@@ -190,6 +199,9 @@ def parse_args(argv):
     if args.answers == "sharegpt" and args.turns in ("written", "grounded"):
         p.error(f"--answers sharegpt trains on ShareGPT's replies to its own prompts, which "
                 f"--turns {args.turns} does not use: drop one")  # fmt: skip
+    if args.skip_prompts and (args.answers == "sharegpt" or args.turns == "written"):
+        p.error("--skip-prompts leaves ShareGPT prompts out of the model's own answers to "
+                "them: drop it, or --answers sharegpt / --turns written")  # fmt: skip
     if args.answers == "sharegpt" and args.states == "cached":
         p.error("--answers sharegpt computes states live: leave out --states cached")
     args.states = args.states or ("live" if args.answers == "sharegpt" else "cached")
@@ -353,10 +365,11 @@ class Eagle(Trainer):
         kept = np.asarray(kept_vocab(args, cfg), np.int32) if args.keep_vocab else None
         check_loss_top(args, len(kept) if args.keep_vocab else args.guess_vocab or cfg.vocab_size)
 
-        def load(split: str, n: int, turns: str = "first") -> dict:
+        def load(split: str, n: int, turns: str = "first", skip: str | None = None) -> dict:
             return layer_features(self.model, self.shared, split, n, args.prompt_len,
                                   args.new_tokens, self.drafter.layers,
-                                  answer_batch=args.answer_batch, turns=turns)  # fmt: skip
+                                  answer_batch=args.answer_batch, turns=turns,
+                                  skip=skip)  # fmt: skip
 
         self.stored = stored_layers(cfg, self.drafter.layers)
         self.frozen = self.model.params  # what computes live states
@@ -370,10 +383,10 @@ class Eagle(Trainer):
         elif args.states == "live":  # answers only; their states are made batch by batch
             self.train_f = self_answers(
                 self.model, self.shared, "train", args.train_seqs, args.prompt_len,
-                args.new_tokens, args.answer_batch, args.turns,
+                args.new_tokens, args.answer_batch, args.turns, args.skip_prompts,
             )  # fmt: skip
         else:
-            self.train_f = load("train", args.train_seqs, args.turns)
+            self.train_f = load("train", args.train_seqs, args.turns, args.skip_prompts)
         self.test_f = load("test", args.test_seqs)
         self.vocab_ids = kept
         if not args.keep_vocab and args.guess_vocab:
@@ -537,6 +550,10 @@ def card(args, cfg, drafter, report) -> str:
         "handed\n  back with a request to summarise it or answer the first turn from it",
         "written": f"{args.train_seqs} user turns the model wrote itself (train/written.py)",
     }[args.turns]
+    if args.skip_prompts:
+        turns, n, prompt_len = prompt_set(args.skip_prompts)
+        prompts += (f",\n  less those among the first {n} '{turns}' prompts of <= {prompt_len} "
+                    "tokens (`--skip-prompts`)")  # fmt: skip
     answers = (
         "the base model's own greedy answers"
         if args.answers == "self"

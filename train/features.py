@@ -18,7 +18,7 @@ from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.outputs import load_npz, save_npz
 
-from .selfdata import ANSWER_BATCH, TURNS, dataset_replies, generate_answers
+from .selfdata import ANSWER_BATCH, PROMPTS, TURNS, dataset_replies, generate_answers, prompt_set
 from .written import written_prompts
 
 
@@ -131,18 +131,36 @@ def answers_name(turns: str) -> str:
     return "self" if turns == "first" else f"self-{turns}"
 
 
+def skip_tag(skip: str | None) -> str:
+    """The cache names' mark of answers to prompts less those of `skip` (selfdata.prompt_set)."""
+    if not skip:
+        return ""
+    turns, n, prompt_len = prompt_set(skip)
+    return f"-less-{turns}-{n}-p{prompt_len}"
+
+
 def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
-                 batch: int = ANSWER_BATCH, turns: str = "first") -> dict:  # fmt: skip
+                 batch: int = ANSWER_BATCH, turns: str = "first",
+                 skip: str | None = None) -> dict:  # fmt: skip
     """The base model's own greedy answers to n `split` prompts (train/selfdata.py; turns:
     which user turns are prompts), `batch` prompts at a time, cached in `root` (the model's
     training folder, shared by every drafter's trainer). Answers to the same prompts in
-    caches of either kind and any prompt length with the same new_tokens are reused."""
+    caches of either kind and any prompt length with the same new_tokens are reused.
+    skip "TURNS:N:LEN" (ShareGPT prompts only): those of the n that are among the first N
+    TURNS prompts of <= LEN tokens left out, e.g. the ones a drafter trained on already."""
     name = answers_name(turns)
-    path = root / f"{name}-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    path = root / f"{name}-{split_tag(split)}-{n}{skip_tag(skip)}-p{prompt_len}-n{new_tokens}.npz"
     if path.is_file():  # ShareGPT is not read
         return load_npz(path)
     kinds = [answers_name(kind) for kind in TURNS]
     reuse = [p for kind in kinds for p in _siblings(root, kind, split, "*", new_tokens)]
+    if skip:
+        conversations, tokenizer = sharegpt_split(split), model.tokenizer
+        skip_turns, skip_n, skip_len = prompt_set(skip)
+        known = set(map(tuple, PROMPTS[skip_turns](tokenizer, conversations, skip_n, skip_len)))
+        prompts = PROMPTS[turns](tokenizer, conversations, n, prompt_len)
+        return generate_answers(model, None, n, path, prompt_len, new_tokens, batch, reuse=reuse,
+                                prompts=[p for p in prompts if tuple(p) not in known])  # fmt: skip
     if turns == "written":  # the model's own prompts, a stream per split
         file = root / f"written-{split_tag(split)}-p{prompt_len}-b{batch}.npz"
         seed = WRITTEN_SEEDS[split]
@@ -228,14 +246,16 @@ def stored_layers(cfg, layers: tuple[int, ...]) -> tuple[int, ...]:
 
 def layer_features(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
                    layers: tuple[int, ...], batch: int = 4, answer_batch: int = ANSWER_BATCH,
-                   turns: str = "first") -> dict:  # fmt: skip
+                   turns: str = "first", skip: str | None = None) -> dict:  # fmt: skip
     """self_answers(...) + "states" [N,T,L,D] float16: the states after each of `layers`
     (layer counts, the last layer added: "layers" [L] names them) at every position, and
     "predicted" [N,T] the model's greedy next token; cached beside the answers. Rows that
     a cache of the same layers for another prompt count holds are copied from it."""
-    answers = self_answers(model, root, split, n, prompt_len, new_tokens, answer_batch, turns)
+    answers = self_answers(model, root, split, n, prompt_len, new_tokens, answer_batch, turns,
+                           skip)  # fmt: skip
     prefix = f"states-{'-'.join(map(str, layers))}-{answers_name(turns)}"
-    out = root / f"{prefix}-{split_tag(split)}-{n}-p{prompt_len}-n{new_tokens}.npz"
+    tag = skip_tag(skip)
+    out = root / f"{prefix}-{split_tag(split)}-{n}{tag}-p{prompt_len}-n{new_tokens}.npz"
     if out.is_file():
         return load_npz(out)
     reuse = _siblings(root, prefix, split, prompt_len, new_tokens)

@@ -134,6 +134,18 @@ PROMPTS = {
 TURNS = (*PROMPTS, "written")  # written: prompts the model writes itself (train/written.py)
 
 
+def prompt_set(text: str) -> tuple[str, int, int]:
+    """TURNS:N:LEN text -> (turns, n, prompt_len): the first N ShareGPT prompts of a PROMPTS kind
+    of <= LEN tokens, the set an answers cache holds (e.g. first:6400:128); bad text is a
+    ValueError naming the form."""
+    parts = text.split(":")
+    counts = parts[1:] if len(parts) == 3 else []
+    if parts[0] not in PROMPTS or not counts or not all(x.isdigit() and int(x) for x in counts):
+        raise ValueError(f"takes TURNS:N:LEN, TURNS one of {', '.join(PROMPTS)} and N, LEN "
+                         f"integers >= 1, e.g. first:6400:128; got {text!r}")  # fmt: skip
+    return parts[0], int(counts[0]), int(counts[1])
+
+
 def dataset_replies(tokenizer, conversations: Iterable[dict], n: int, prompt_len: int,
                     new_tokens: int, turns: str, eos: tuple[int, ...]) -> dict:  # fmt: skip
     """The conversations' own replies, packed as generate_answers packs the model's:
