@@ -550,10 +550,11 @@ def card(args, cfg, drafter, report) -> str:
         "handed\n  back with a request to summarise it or answer the first turn from it",
         "written": f"{args.train_seqs} user turns the model wrote itself (train/written.py)",
     }[args.turns]
+    skipped = ""
     if args.skip_prompts:
         turns, n, prompt_len = prompt_set(args.skip_prompts)
-        prompts += (f",\n  less those among the first {n} '{turns}' prompts of <= {prompt_len} "
-                    "tokens (`--skip-prompts`)")  # fmt: skip
+        skipped = (f";\n  left out: those among the first {n} '{turns}' prompts of <= "
+                   f"{prompt_len} tokens (`--skip-prompts`)")  # fmt: skip
     answers = (
         "the base model's own greedy answers"
         if args.answers == "self"
@@ -587,7 +588,7 @@ def card(args, cfg, drafter, report) -> str:
   a drafted token's is the drafter's own output at its parent. Own final norm, the model's
   frozen lm_head over the draft vocabulary. Weights stored in float16.
 - Data: {answers} to {prompts} (prompts <= {args.prompt_len}
-  tokens, answers <= {args.new_tokens}).
+  tokens, answers <= {args.new_tokens}){skipped}.
 - Training: {report["steps"]} steps of {args.batch} sequences, training-time test over
   {args.ttt} steps, {args.rows} scored positions per sequence{within}, cross-entropy to the model's
   {target} over the draft vocabulary, step weights {args.decay}**(k-1), AdamW
