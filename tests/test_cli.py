@@ -349,12 +349,14 @@ def test_bench_compares_each_row_with_ar_in_its_own_dtype():
     [("chimera", "bottom", ["--bottom", "transformer"]), ("medusa", "own_lm_head",
      ["--own-lm-head"]), ("firp", "training", ["--training", "paper"]),
      ("sdsat", "loss", ["--loss", "basic"]), ("eagle", "rows_within", ["--rows-within", "64"]),
-     ("eagle", "loss_top", ["--loss-top", "10"])],
+     ("eagle", "loss_top", ["--loss-top", "10"]),
+     ("eagle", "skip_prompts", ["--skip-prompts", "first:6400:128"])],
 )  # fmt: skip
 def test_a_flag_added_later_keeps_older_runs_resumable(trainer, flag, other):
     """Checkpoints are keyed by the training flags; a flag added later (Chimera's --bottom,
-    Medusa's --own-lm-head, FIRP's --training, SDSAT's --loss, EAGLE's --rows-within and
-    --loss-top) at its default must not change the key of runs made before it existed."""
+    Medusa's --own-lm-head, FIRP's --training, SDSAT's --loss, EAGLE's --rows-within,
+    --loss-top and --skip-prompts) at its default must not change the key of runs made
+    before it existed."""
     import importlib
 
     from train.checkpoints import run_name

@@ -320,6 +320,26 @@ def test_eagle_grows_a_block_from_a_trained_drafter(trained_eagle, tmp_path):
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
 
 
+def test_live_states_answer_the_prompts_skip_prompts_leaves(tiny_ckpt, tmp_path, monkeypatch):
+    """--states live (a GPU loan's path) asks self_answers for the training answers less
+    --skip-prompts' prompts, as the cached path asks layer_features (the slow block test)."""
+    import train.eagle as eagle
+    from tests.conftest import tiny_training_args
+
+    class Asked(Exception):
+        pass
+
+    def answers(*args):
+        raise Asked(args)
+
+    monkeypatch.setattr(eagle, "self_answers", answers)
+    with pytest.raises(Asked) as asked:
+        eagle.train([*tiny_training_args(tiny_ckpt[0], tmp_path), "--states", "live",
+                     "--turns", "every", "--skip-prompts", "first:6:40"])  # fmt: skip
+    assert asked.value.args[0][2:4] == ("train", 8)
+    assert asked.value.args[0][-2:] == ("every", "first:6:40")
+
+
 def test_live_states_are_the_cached_ones(tiny_ckpt, tmp_path, monkeypatch):
     """--states live feeds a training step what --states cached reads from disk: the
     fused and last layers' states of the batch's sequences (--live-products plain: within

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxspec.decode import SpeculativeGenerator
+from jaxspec.errors import JaxspecError
 from jaxspec.models import load_model
 from jaxspec.text import encode_conversation, encode_prompt
 from tests.test_medusa import conversations
@@ -296,6 +297,10 @@ def test_skipped_prompts_are_left_out_of_the_answers(model, tmp_path, generated,
     assert sorted(answers_by_prompt(data)) == sorted(map(tuple, kept))
     name = f"self-every-train-4-less-first-2-p{shortest}-p40-n6.npz"
     assert (tmp_path / name).is_file() and not (tmp_path / "self-every-train-4-p40-n6.npz").exists()
+
+    with pytest.raises(JaxspecError, match="first:10:40 leaves out all 2 train prompts"):
+        features.self_answers(model, tmp_path, "train", 2, prompt_len=40, new_tokens=6,
+                              skip="first:10:40")  # fmt: skip
 
     monkeypatch.setattr(features, "sharegpt_split", lambda split: pytest.fail("read ShareGPT"))
     again = features.self_answers(model, tmp_path, "train", 4, prompt_len=40, new_tokens=6,

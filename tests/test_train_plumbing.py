@@ -250,7 +250,8 @@ def test_only_training_flags_start_a_new_run():
 # The flags each trainer gained after runs were made: at their defaults, a run made before
 # them keeps its checkpoints.
 ADDED_LATER = ("bottom", "init", "own_lm_head", "training", "loss", "turns", "answers",
-               "keep_vocab", "feature_noise", "blocks", "rows_within", "loss_top")  # fmt: skip
+               "keep_vocab", "feature_noise", "blocks", "rows_within", "loss_top", "anneal",
+               "skip_prompts")  # fmt: skip
 
 
 @pytest.mark.parametrize("method", ["medusa", "firp", "chimera", "sdsat", "ppd", "eagle"])

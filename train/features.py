@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxspec.data.sources import ROLES, sharegpt_split, split_tag
+from jaxspec.errors import JaxspecError
 from jaxspec.kv_cache import causal_mask
 from jaxspec.llama import embed, lm_logits, run_layers
 from jaxspec.outputs import load_npz, save_npz
@@ -159,8 +160,12 @@ def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tok
         skip_turns, skip_n, skip_len = prompt_set(skip)
         known = set(map(tuple, PROMPTS[skip_turns](tokenizer, conversations, skip_n, skip_len)))
         prompts = PROMPTS[turns](tokenizer, conversations, n, prompt_len)
+        prompts = [p for p in prompts if tuple(p) not in known]
+        if not prompts:
+            raise JaxspecError(f"--skip-prompts {skip} leaves out all {n} {split} prompts: "
+                               "raise --train-seqs or --prompt-len")  # fmt: skip
         return generate_answers(model, None, n, path, prompt_len, new_tokens, batch, reuse=reuse,
-                                prompts=[p for p in prompts if tuple(p) not in known])  # fmt: skip
+                                prompts=prompts)  # fmt: skip
     if turns == "written":  # the model's own prompts, a stream per split
         file = root / f"written-{split_tag(split)}-p{prompt_len}-b{batch}.npz"
         seed = WRITTEN_SEEDS[split]

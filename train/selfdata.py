@@ -140,7 +140,7 @@ def prompt_set(text: str) -> tuple[str, int, int]:
     ValueError naming the form."""
     parts = text.split(":")
     counts = parts[1:] if len(parts) == 3 else []
-    if parts[0] not in PROMPTS or not counts or not all(x.isdigit() and int(x) for x in counts):
+    if parts[0] not in PROMPTS or not counts or not all(x.isdecimal() and int(x) for x in counts):
         raise ValueError(f"takes TURNS:N:LEN, TURNS one of {', '.join(PROMPTS)} and N, LEN "
                          f"integers >= 1, e.g. first:6400:128; got {text!r}")  # fmt: skip
     return parts[0], int(counts[0]), int(counts[1])
