@@ -132,12 +132,11 @@ def answers_name(turns: str) -> str:
     return "self" if turns == "first" else f"self-{turns}"
 
 
-def skip_tag(skip: str | None) -> str:
-    """The cache names' mark of answers to prompts less those of `skip` (selfdata.prompt_set)."""
-    if not skip:
-        return ""
-    turns, n, prompt_len = prompt_set(skip)
-    return f"-less-{turns}-{n}-p{prompt_len}"
+def answers_tail(split: str, n: int, prompt_len: int, new_tokens: int, skip: str | None) -> str:
+    """The end of the names of answer (and state) caches: split, prompt count, what `skip`
+    (selfdata.prompt_set) left out, lengths."""
+    less = "-less-{}-{}-p{}".format(*prompt_set(skip)) if skip else ""
+    return f"{split_tag(split)}-{n}{less}-p{prompt_len}-n{new_tokens}"
 
 
 def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
@@ -150,13 +149,19 @@ def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tok
     skip "TURNS:N:LEN" (ShareGPT prompts only): those of the n that are among the first N
     TURNS prompts of <= LEN tokens left out, e.g. the ones a drafter trained on already."""
     name = answers_name(turns)
-    path = root / f"{name}-{split_tag(split)}-{n}{skip_tag(skip)}-p{prompt_len}-n{new_tokens}.npz"
+    path = root / f"{name}-{answers_tail(split, n, prompt_len, new_tokens, skip)}.npz"
     if path.is_file():  # ShareGPT is not read
         return load_npz(path)
     kinds = [answers_name(kind) for kind in TURNS]
     reuse = [p for kind in kinds for p in _siblings(root, kind, split, "*", new_tokens)]
-    if skip:
-        conversations, tokenizer = sharegpt_split(split), model.tokenizer
+    if turns == "written":  # the model's own prompts, a stream per split
+        file = root / f"written-{split_tag(split)}-p{prompt_len}-b{batch}.npz"
+        seed = WRITTEN_SEEDS[split]
+        prompts = written_prompts(model, file, n, prompt_len, batch, seed)
+        return generate_answers(model, None, n, path, prompt_len, new_tokens, batch,
+                                reuse=reuse, prompts=prompts)  # fmt: skip
+    conversations, tokenizer, prompts = sharegpt_split(split), model.tokenizer, None
+    if skip:  # generate_answers' own prompts, less the skipped ones
         skip_turns, skip_n, skip_len = prompt_set(skip)
         known = set(map(tuple, PROMPTS[skip_turns](tokenizer, conversations, skip_n, skip_len)))
         prompts = PROMPTS[turns](tokenizer, conversations, n, prompt_len)
@@ -164,16 +169,8 @@ def self_answers(model, root: Path, split: str, n: int, prompt_len: int, new_tok
         if not prompts:
             raise JaxspecError(f"--skip-prompts {skip} leaves out all {n} {split} prompts: "
                                "raise --train-seqs or --prompt-len")  # fmt: skip
-        return generate_answers(model, None, n, path, prompt_len, new_tokens, batch, reuse=reuse,
-                                prompts=prompts)  # fmt: skip
-    if turns == "written":  # the model's own prompts, a stream per split
-        file = root / f"written-{split_tag(split)}-p{prompt_len}-b{batch}.npz"
-        seed = WRITTEN_SEEDS[split]
-        prompts = written_prompts(model, file, n, prompt_len, batch, seed)
-        return generate_answers(model, None, n, path, prompt_len, new_tokens, batch,
-                                reuse=reuse, prompts=prompts)  # fmt: skip
-    return generate_answers(model, sharegpt_split(split), n, path, prompt_len, new_tokens,
-                            batch, reuse=reuse, turns=turns)  # fmt: skip
+    return generate_answers(model, conversations, n, path, prompt_len, new_tokens, batch,
+                            reuse=reuse, turns=turns, prompts=prompts)  # fmt: skip
 
 
 def sharegpt_replies(model, root: Path, split: str, n: int, prompt_len: int, new_tokens: int,
@@ -259,8 +256,7 @@ def layer_features(model, root: Path, split: str, n: int, prompt_len: int, new_t
     answers = self_answers(model, root, split, n, prompt_len, new_tokens, answer_batch, turns,
                            skip)  # fmt: skip
     prefix = f"states-{'-'.join(map(str, layers))}-{answers_name(turns)}"
-    tag = skip_tag(skip)
-    out = root / f"{prefix}-{split_tag(split)}-{n}{tag}-p{prompt_len}-n{new_tokens}.npz"
+    out = root / f"{prefix}-{answers_tail(split, n, prompt_len, new_tokens, skip)}.npz"
     if out.is_file():
         return load_npz(out)
     reuse = _siblings(root, prefix, split, prompt_len, new_tokens)
