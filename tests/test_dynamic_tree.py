@@ -164,9 +164,13 @@ def test_tree_topology_of_a_draft_is_the_drafts():
     tokens, topo = tree_topology(jnp.array([5]), draft, tree)
     assert tokens[0, 0] == 5 and tokens.shape == (1, 5)
     parent = np.concatenate([[0], np.asarray(draft.parent[0])])
-    for n in range(1, 5):  # a node sees itself, its parent's view, nothing else
-        expected = np.asarray(topo.mask[0, parent[n]]).copy()
-        expected[n] = True
+    for n in range(5):  # a node sees itself and its ancestors, nothing else
+        expected, m = np.zeros(5, bool), n
+        while True:
+            expected[m] = True
+            if m == 0:
+                break
+            m = parent[m]
         np.testing.assert_array_equal(topo.mask[0, n], expected)
 
 

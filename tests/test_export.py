@@ -69,12 +69,10 @@ def generator(method: str, tree: str, how: Sampling, settings=None,
 def test_export_decoding_programs(method, tree, how):
     gen = generator(method, tree, how)
     plan = gen.lowerings(*gen.example_inputs(2, 16, 64))
+    assert ("redraft" in plan) == (method == "sdsat")  # SDSAT's draft step, its own program
     if tree != "comb-2-2" or not how.greedy:  # the rest do not depend on tree or sampling
         plan = {"step": plan["step"]}
-    exported = export.export_all(plan)
-    assert {p for programs in exported.values() for p in programs} == set(export.ACCELERATORS)
-    if method == "sdsat" and "redraft" in plan:
-        assert "redraft" in exported  # SDSAT's draft step, a program of its own
+    export.export_all(plan)  # raises NotPortable where a program does not export
 
 
 @pytest.mark.parametrize("tree", ["comb-2-2", "dynamic-8"])

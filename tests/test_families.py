@@ -262,6 +262,7 @@ TRAINERS = {
     "sdsat": ["--spans", "4", "--window", "3", "--rank", "2", "--ids", "2", "--cpu-tree",
               "chain-3"],
     "ppd": ["--layers", "1", "--rows", "8"],
+    "eagle": ["--rows", "6", "--ttt", "2", "--depth", "2", "--guess-vocab", "30"],
 }  # fmt: skip
 
 

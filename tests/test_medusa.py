@@ -61,9 +61,11 @@ def monkeypatch_module():
         yield mp
 
 
-def test_training_resumes_and_learns(trained):
+def test_training_in_two_runs_evaluates_and_writes_its_card(trained):
+    """The second run goes on to its 20 steps and reports; resuming to the same weights is
+    tests/test_resume.py's, heads learning their targets tests/test_training_targets.py's."""
     out, first, second, *_ = trained
-    assert first["steps"] == 12 and second["steps"] == 20  # resumption: tests/test_resume.py
+    assert first["steps"] == 12 and second["steps"] == 20
     acc = np.array(second["test_topk_accuracy"])
     assert acc.shape == (3, 5) and np.all(np.diff(acc, axis=1) >= 0)  # top-k is monotone
     card = (out / "CARD.md").read_text()

@@ -87,7 +87,21 @@ def test_the_default_cache_lies_in_jaxspec_home(monkeypatch, tmp_path):
     assert cc.default_dir() == tmp_path / "xla-cache"
 
 
-def test_compile_cache_counts_its_blocks_events_and_restores_jax_config(tmp_path):
+@pytest.fixture
+def thresholds_not_zero():
+    """The cache thresholds away from the 0s compile_cache sets (and conftest sets for the
+    session), so that the block's setting and restoring them shows; restored after."""
+    session = {name: getattr(jax.config, name) for name in cc.SETTINGS}
+    for name, sentinel in zip(cc.SETTINGS, (5.0, 123), strict=True):
+        jax.config.update(name, sentinel)
+    yield
+    for name, value in session.items():
+        jax.config.update(name, value)
+
+
+def test_compile_cache_counts_its_blocks_events_and_restores_jax_config(
+    tmp_path, thresholds_not_zero
+):
     """Events are recorded by hand (jax decides once per process whether to use a cache)."""
     names = ("jax_compilation_cache_dir", *cc.SETTINGS)
     before = {name: getattr(jax.config, name) for name in names}

@@ -21,7 +21,10 @@ TRAINERS = {  # method: its flags for a seconds-long run
     "chimera": ["--rows", "8", "--heads", "2"],
     "eagle": ["--rows", "6", "--ttt", "2", "--depth", "2", "--guess-vocab", "40"],
     "firp": ["--layers", "1,2", "--anchors", "4"],  # killed in its first map's training
-}
+    "sdsat": ["--spans", "4", "--window", "3", "--rank", "2", "--ids", "2", "--cpu-tree",
+              "chain-3"],
+    "ppd": ["--layers", "1", "--rows", "8"],
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("method", list(TRAINERS))

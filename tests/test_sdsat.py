@@ -110,6 +110,8 @@ def test_drafts_come_from_the_committed_cache():
     cache = commit(cache, block, jnp.asarray([n]))
     candidates = redraft(params, dparams, cache, tokens[:, n], tree=tree, drafter=drafter)
     assert int(candidates[0, 0]) == ar[5]  # depth 1: the base model's own next token
+    got = SpeculativeGenerator(cfg, params, drafter, dparams, tree).generate(prompt, 20)
+    assert got.token_ids == ar and got.steps <= 1 + -(-19 // 2)  # >= 2 tokens a loop
 
 
 @pytest.mark.slow  # CI time (~31 s)
