@@ -83,8 +83,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--dtype",
         choices=DTYPES,
-        help="weight dtype (default: as stored, float32); bfloat16 decodes faster on CPUs with "
-        "AMX and GPUs, and is a slightly different model (docs/design.md, Precision)",
+        help="weight dtype (default: float32 on CPU, bfloat16 on accelerators); bfloat16 decodes "
+        "faster on CPUs with AMX and GPUs, and is a slightly different model (docs/design.md, "
+        "Precision)",
     )
     p.add_argument(
         "--max-len",

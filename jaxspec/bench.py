@@ -102,7 +102,9 @@ def run_benchmark(
     chosen = select_questions(load_questions(questions), limit, per_category)
     if not chosen:
         raise JaxspecError("no questions selected; check --questions / --limit")
-    stored = load_model(model, mesh=shape and make_mesh(shape))
+    # float32 rows cast from float32 weights, not from an accelerator's bfloat16 default
+    wide = "float32" in {row_dtype(m, dtype) for m in methods}
+    stored = load_model(model, dtype="float32" if wide else None, mesh=shape and make_mesh(shape))
     models = {}  # dtype -> the model with its weights cast from the stored ones
 
     def model_for(name: str):

@@ -189,3 +189,28 @@ def test_bench_one_shape_decodes_the_same_tokens(tiny_ckpt, medusa_folder, tmp_p
     assert run_benchmark(["ar"], str(short), **kw)["one_shape"]
     assert not run_benchmark(["ar"], str(short), **{**kw, "single_turn": False})["one_shape"]
     assert not run_benchmark(["ar"], str(short), one_shape=False, **kw)["one_shape"]
+
+
+@pytest.mark.parametrize("rows, dtype, loaded", [
+    (["ar"], "float32", "float32"),
+    (["ar", "ar:bfloat16"], "float32", "float32"),
+    (["ar"], "bfloat16", None),  # the backend's default: bfloat16 on an accelerator
+    (["ar", "ar:float32"], "bfloat16", "float32"),
+])  # fmt: skip
+def test_float32_rows_load_float32_weights_on_any_backend(rows, dtype, loaded, monkeypatch):
+    """An accelerator loads bfloat16 weights by default: a float32 row cast up from them
+    would be a bfloat16-rounded model named float32, so the run loads float32 weights."""
+    import jaxspec.bench as bench
+
+    asked = []
+
+    def load_model(model, dtype=None, mesh=None):
+        asked.append(dtype)
+        raise KeyboardInterrupt  # the rest of the run is not this test's
+
+    monkeypatch.setattr(bench, "load_model", load_model)
+    monkeypatch.setattr(bench, "load_questions", lambda source: [])
+    monkeypatch.setattr(bench, "select_questions", lambda *args: ["q"])
+    with pytest.raises(KeyboardInterrupt):
+        run_benchmark(rows, "q.jsonl", dtype=dtype)
+    assert asked == [loaded]
