@@ -10,14 +10,14 @@ from pathlib import Path
 from jaxspec.config import LlamaConfig
 from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.base import default_tree, resolve_tree
-from jaxspec.drafters.registry import METHODS, SDSAT_LOOPS, check_options, method
+from jaxspec.drafters.registry import SDSAT_LOOPS, check_options, method
 from jaxspec.drafters.retrieval import RetrievalDrafter
 from jaxspec.errors import JaxspecError, option
 from jaxspec.llama import compute_params
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling
 
-__all__ = ["METHODS", "SDSAT_LOOPS", "build_generator", "default_tree", "resolve_tree"]
+__all__ = ["SDSAT_LOOPS", "build_generator", "default_tree", "resolve_tree"]
 
 
 def shipped_drafters() -> Path:

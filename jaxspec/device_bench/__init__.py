@@ -20,6 +20,6 @@ run cut short still leaves its file. `dry_run` runs every part at tiny shapes (a
 checkpoint with untrained drafters for the end-to-end part) in well under a minute on a CPU.
 """
 
-from jaxspec.device_bench.campaign import DEVICE, DRY, PARTS, run_campaign
+from jaxspec.device_bench.campaign import PARTS, run_campaign
 
-__all__ = ["DEVICE", "DRY", "PARTS", "run_campaign"]
+__all__ = ["PARTS", "run_campaign"]

@@ -267,15 +267,3 @@ def pseudo_forward(
         )  # fmt: skip
         collected.update(got)
     return h.reshape(B, K, A, D).transpose(0, 2, 1, 3), collected
-
-
-def training_forward(params, cfg: LlamaConfig, maps, layers, tokens, anchors):
-    """Pseudo chains on full sequences for training: tokens [B,n], anchors [B,A] ->
-    (pseudo last states [B,A,K,D] for the K = len(maps) steps, real last states [B,n,D]).
-
-    The real tokens run once, without gradient; the pseudo tokens attend to their
-    keys/values as a read-only context, so the backward pass only covers pseudo tokens.
-    """
-    h_real, block, states = jax.lax.stop_gradient(real_context(params, cfg, tokens, layers))
-    pseudo, _ = pseudo_forward(params, cfg, maps, layers, block.keys, block.values, states, anchors)
-    return pseudo, h_real
