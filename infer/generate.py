@@ -130,8 +130,14 @@ def _main(argv) -> None:
 
 
 def _generate(args, prompts: list[str]) -> None:
+    model = load_model(args.model, args.dtype, make_mesh(args.mesh) if args.mesh else None)
+    if model.tokenizer is None:  # the prompts are text
+        raise JaxspecError(
+            f"the model at {model.path} has no tokenizer.json to read the prompt with: copy "
+            "the HF model's tokenizer files into it, or convert it again"
+        )
     generator = Generator(
-        load_model(args.model, args.dtype, make_mesh(args.mesh) if args.mesh else None),
+        model,
         args.method, drafter=args.drafter, tree=args.tree,
         max_len=args.max_len, products=args.products, chat=not args.no_chat, ppd_k=args.ppd_k,
         ppd_layer=args.ppd_layer, firp_chains=args.firp_chains, sdsat_loop=args.sdsat_loop,

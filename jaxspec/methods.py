@@ -50,7 +50,7 @@ def chosen_drafter_folder(model: LoadedModel, method: str, given: Path | None) -
         warnings.warn(
             f"the shipped {method} drafter for {model.cfg.folder_name!r} ({folder}) was trained "
             f"for other weights than {model.path}: the tokens stay exact, but fewer drafts "
-            f"may be accepted; pass a drafter folder ({option('drafter')}) or train one with "
+            f"may be accepted; pass a drafter folder as {option('drafter')} or train one with "
             f"`jaxspec-train {method}`",
             RuntimeWarning,
             stacklevel=1,

@@ -55,6 +55,12 @@ def gen(*args):
     return lambda folder, ckpt: ["--model", ckpt, *args]
 
 
+def without_tokenizer(ckpt: Path, out: Path) -> None:
+    shutil.copytree(ckpt, out)
+    for file in out.glob("tokenizer*"):
+        file.unlink()
+
+
 def bench(*args):
     return lambda folder, ckpt: ["--model", ckpt, "--questions", folder / "q.jsonl", *args]
 
@@ -171,6 +177,27 @@ CASES = [
     Case("per-category-zero", "bench", bench("--per-category", "0"), "--per-category"),
     Case("bench-row-twice", "bench", bench("--methods", "ar,lookup,lookup"), "names lookup twice"),
     Case("mesh-axis-twice", "generate", gen("--mesh", "model=2,model=4", PROMPT), "at most once"),
+    Case("top-p-greedy", "generate", gen("--top-p", "0.5", PROMPT), "(0 is greedy)"),
+    Case(
+        "questions-folder",
+        "bench",
+        lambda f, c: ["--model", c, "--questions", f, "--methods", "ar"],
+        "is a folder; pass a Spec-Bench-format .jsonl file",
+    ),
+    Case(
+        "config-not-json",
+        "convert",
+        lambda f, c: [f / "hf", "--out", f / "o"],
+        "config.json (JSONDecodeError: Expecting",
+        write("hf/config.json", "{oops"),
+    ),
+    Case(
+        "no-tokenizer",
+        "generate",
+        lambda f, c: ["--model", f / "bare", PROMPT],
+        "has no tokenizer.json to read the prompt with",
+        setup=lambda f, c: without_tokenizer(c, f / "bare"),
+    ),
     Case(
         "typical-on-ar",
         "generate",

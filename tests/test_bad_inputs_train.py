@@ -18,6 +18,7 @@ from tests.conftest import tiny_training_args
 
 CACHE = "work/self-train-8-p40-n24.npz"  # the answers ppd reads first with tiny_args()
 REPO_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+SHIPPED = REPO_DRAFTERS / "SmolLM2-135M-Instruct"
 
 
 def tiny_args(method: str, *extra):
@@ -57,6 +58,10 @@ CASES = [
     # paths read late (after the answers are made) are checked first
     Case("init-missing", "train", tiny_args("medusa", "--init", lambda f, c: f / "none"),
          "none: no drafter there (needs drafter.json and drafter.safetensors)"),
+    Case("init-other-method", "train", tiny_args("medusa", "--init", str(SHIPPED / "firp")),
+         "holds a 'firp' drafter, not 'medusa'; pass a medusa drafter folder"),
+    Case("init-other-model", "train", tiny_args("medusa", "--init", str(SHIPPED / "medusa")),
+         "was trained for 'SmolLM2-135M-Instruct'"),
     Case("eval-questions-missing", "train",
          tiny_args("eagle", "--eval-questions", lambda f, c: f / "q.jsonl"),
          "no question file at"),
@@ -104,6 +109,16 @@ def ckpt(tiny_ckpt, monkeypatch, tmp_path):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_input_is_one_line(case, ckpt, tmp_path):
     run_case(case, tmp_path, ckpt)
+
+
+@pytest.mark.parametrize("init", ["firp", "medusa"])  # another method's; another model's
+def test_a_wrong_init_is_refused_before_any_answers_are_made(init, ckpt, tmp_path):
+    import train.medusa as medusa
+
+    args = tiny_args("medusa", "--init", str(SHIPPED / init))(tmp_path, ckpt)[1:]
+    with pytest.raises(JaxspecError):
+        medusa.train(args)
+    assert not list(tmp_path.rglob("*.npz")) and not list(tmp_path.rglob("*.partial*"))
 
 
 def test_a_second_training_on_a_work_dir_is_refused(ckpt, tmp_path):

@@ -110,7 +110,10 @@ def test_generate_hands_every_flag_to_the_api(monkeypatch, capsys):
             pieces.result = answer(prompt)
             return pieces
 
-    monkeypatch.setattr(cli, "load_model", lambda *args: args)
+    class Loaded(tuple):  # load_model's arguments, as a model with a tokenizer
+        tokenizer = "its tokenizer"
+
+    monkeypatch.setattr(cli, "load_model", lambda *args: Loaded(args))
     monkeypatch.setattr(cli, "Generator", Recording)
     capsys.readouterr()
     cli.main(["--model", "m", "--dtype", "bfloat16", "--method", "medusa", "--drafter", "d",

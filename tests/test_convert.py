@@ -283,7 +283,10 @@ def test_not_a_gguf_file(tmp_path, capsys):
     assert "not a .gguf file" in err
     (tmp_path / "x.gguf").write_bytes(b"1234")
     err = convert_error(capsys, tmp_path / "x.gguf", tmp_path / "o")
-    assert "cannot read GGUF file" in err
+    assert "cannot read GGUF file" in err and "download it again" in err
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\x01\x00")  # a header cut short
+    err = convert_error(capsys, tmp_path / "cut.gguf", tmp_path / "o")
+    assert "one cut short; download it again" in err
 
 
 def test_sharded_hf_folder(tmp_path):

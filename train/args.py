@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from jaxspec.checkpoint import default_model_dir, jaxspec_home
+from jaxspec.checkpoint import CONFIG_FILE, default_model_dir, jaxspec_home
 from jaxspec.cli import (
     ArgumentParser,
     mesh_flag,
@@ -18,8 +18,9 @@ from jaxspec.cli import (
     positive_int,
     seed,
 )
+from jaxspec.config import LlamaConfig
 from jaxspec.data.sources import load_questions
-from jaxspec.drafters.store import META, WEIGHTS
+from jaxspec.drafters.store import META, WEIGHTS, check_drafter, read_settings
 from jaxspec.errors import JaxspecError
 from jaxspec.outputs import check_output_dir, check_writable_dir, exclusive
 
@@ -145,6 +146,12 @@ def parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
             f"--init {init}: no drafter there (needs {META} and {WEIGHTS}); pass a drafter "
             "folder of this method, e.g. drafters/<model>/<method>"
         )
+    if init is not None:  # another method's or model's drafter: one line, before any work
+        method, config = p.prog.removeprefix("jaxspec-train "), args.model or default_model_dir()
+        if (config / CONFIG_FILE).is_file():  # the default model may be converted later
+            check_drafter(init, method, LlamaConfig.load(config / CONFIG_FILE))
+        else:
+            read_settings(init, method)
     if getattr(args, "eval_questions", None):
         load_questions(args.eval_questions)  # a missing or malformed file: one line, now
     return args

@@ -61,7 +61,10 @@ def _open(path: Path):
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises many types on malformed files
-        raise JaxspecError(f"cannot read GGUF file {path}: {e}") from None
+        raise JaxspecError(
+            f"cannot read GGUF file {path} ({e}): not a GGUF file, or one cut short; download "
+            "it again"
+        ) from None
 
 
 def _field(reader, key: str, default=None):

@@ -25,7 +25,9 @@ def read_hf_config(folder: Path) -> LlamaConfig:
     try:
         cfg = LlamaConfig.from_hf_config(json.loads(file.read_text()))
     except (ValueError, KeyError) as e:
-        raise JaxspecError(f"cannot read {file}: {e!r}") from None
+        raise JaxspecError(
+            f"cannot read {file} ({type(e).__name__}: {e}); fix it or download it again"
+        ) from None
     if cfg.name == cfg.family:  # config.json names no model: the folder does
         cfg = dataclasses.replace(cfg, name=folder_model_name(folder) or cfg.family)
     generation = folder / "generation_config.json"

@@ -136,6 +136,8 @@ def humaneval_questions() -> list[Question]:
 def spec_bench_questions(path: Path) -> list[Question]:
     path = Path(path)
     if not path.is_file():
+        if path.is_dir():
+            raise JaxspecError(f"{path} is a folder; pass a Spec-Bench-format .jsonl file")
         raise JaxspecError(f"no question file at {path}; pass a Spec-Bench-format .jsonl path")
     try:
         text = path.read_bytes().decode("utf-8")

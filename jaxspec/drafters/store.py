@@ -132,7 +132,10 @@ def _settings(meta: dict, path: Path, method: str):
     from jaxspec.drafters.registry import method as method_named
 
     if meta.get("method") != method:
-        raise JaxspecError(f"{path} holds a {meta.get('method')!r} drafter, not {method!r}")
+        raise JaxspecError(
+            f"{path} holds a {meta.get('method')!r} drafter, not {method!r}; pass a {method} "
+            "drafter folder"
+        )
     cls = method_named(method).settings_class()
     raw = dict(meta["settings"])
     inline = {name: np.asarray(raw.pop(name)) for name in cls.DATA if name in raw}
@@ -161,15 +164,10 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
     return flatten(tree, leaf=lambda x: tuple(x.shape))
 
 
-def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) -> StoredDrafter:
-    """Clear errors for missing, corrupt or mismatched drafters."""
-    path = Path(path)
-    if not (path / META).is_file() or not (path / WEIGHTS).is_file():
-        raise JaxspecError(
-            f"no drafter at {path} (needs {META} and {WEIGHTS}); train one with "
-            f"`jaxspec-train {method}` or pass a drafter folder ({option('drafter')})"
-        )
-    meta = read_meta(path / META)
+def check_drafter(path: Path, method: str, base: LlamaConfig):
+    """A drafter folder's drafter.json, read and checked to hold a `method` drafter for a
+    model of `base`'s shapes (before its weights are read) -> (meta, settings, inline data)."""
+    meta = read_meta(Path(path) / META)
     settings, data = _settings(meta, path, method)
     have = meta.get("base_model", {})
     want, shape_keys = base_model_sizes(base), ("vocab_size", "dim", "n_layers")
@@ -179,6 +177,18 @@ def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) 
             f"({', '.join(f'{k}={have.get(k)}' for k in shape_keys)}), not for {base.name!r}; "
             f"train one for this model with `jaxspec-train {method} --model ...`"
         )
+    return meta, settings, data
+
+
+def load_drafter(path: Path, method: str, base: LlamaConfig, dtype=jnp.float32) -> StoredDrafter:
+    """Clear errors for missing, corrupt or mismatched drafters."""
+    path = Path(path)
+    if not (path / META).is_file() or not (path / WEIGHTS).is_file():
+        raise JaxspecError(
+            f"no drafter at {path} (needs {META} and {WEIGHTS}); train one with "
+            f"`jaxspec-train {method}` or pass a drafter folder as {option('drafter')}"
+        )
+    meta, settings, data = check_drafter(path, method, base)
     flat = {k: jnp.asarray(v, dtype) for k, v in _read(path / WEIGHTS, "weights").items()}
     try:
         params = unflatten(flat)
