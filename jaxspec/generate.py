@@ -56,7 +56,8 @@ def cache_len(prompt_len: int, max_new_tokens: int, extra: int, max_len: int) ->
         raise JaxspecError(
             f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens need {kept} positions, "
             f"which exceeds the limit of {max_len} positions; shorten the prompt, lower "
-            f"{option('max_new_tokens')}, or raise {option('max_len')} up to the model's context"
+            f"{option('max_new_tokens')}, or raise a {option('max_len')} set below the model's "
+            "context"
         )
     return min(bucket(kept + extra, MIN_CACHE_LEN), max_len + extra)
 

@@ -64,7 +64,7 @@ class LoadedModel:
 def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=None) -> LoadedModel:
     """src: a jaxspec checkpoint folder, an HF folder (safetensors), a .gguf file, or None
     for the default model (converted into $JAXSPEC_HOME on first use). dtype: "float32" or
-    "bfloat16" weights (None: float32 on CPU, bfloat16 on accelerators, or as stored).
+    "bfloat16" weights (None: float32 on CPU, bfloat16 on accelerators), each read in it.
     mesh: "data=D,model=M" or a jax.sharding.Mesh to split the weights over
     (tensor-parallel, jaxspec.mesh); None: one device."""
     from jaxspec.convert import load_any
@@ -86,10 +86,10 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
     mesh = as_mesh(mesh)
     if is_checkpoint(path) and mesh is not None:  # each process reads only its shards
         cfg = LlamaConfig.load(path / CONFIG_FILE)
-        params = load_params_sharded(path, cfg, mesh)
+        params = load_params_sharded(path, cfg, mesh, host_dtype)
         tokenizer = load_tokenizer(path)
     elif is_checkpoint(path):
-        cfg, params = load_checkpoint(path)
+        cfg, params = load_checkpoint(path, host_dtype)
         tokenizer = load_tokenizer(path)
     else:  # an HF folder or GGUF file: read into host memory in the dtype asked for, placed
         cfg, params, tokenizer = load_any(path, host_dtype or default_dtype())
@@ -97,5 +97,5 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
             params = jax.tree.map(jnp.asarray, params)
         else:  # host arrays straight to their shards: never the whole model on one device
             params = shard_params(params, cfg, mesh)
-    # a checkpoint is placed as stored, then cast: each device casts its own shards
+    # read in the dtype asked for (None: the backend's default), then laid out for products
     return LoadedModel(path, cfg, compute_params(params, dtype), tokenizer, mesh)

@@ -72,10 +72,11 @@ class Sampling:
             raise JaxspecError(
                 f"{option('typical')} needs sampling: set {option('temperature')} > 0"
             )
-        if (self.top_k or self.top_p < 1) and self.temperature == 0:
+        cut = "top_k" if self.top_k else "top_p" if self.top_p < 1 else None
+        if cut and self.temperature == 0:
             raise JaxspecError(
-                f"{option('top_k')} and {option('top_p')} cut the distribution sampling draws "
-                f"from: set {option('temperature')} > 0 (0 is greedy)"
+                f"{option(cut)} {getattr(self, cut)} applies only when sampling: set "
+                f"{option('temperature')} > 0, or drop it for greedy decoding"
             )
 
     @property

@@ -177,7 +177,7 @@ CASES = [
     Case("per-category-zero", "bench", bench("--per-category", "0"), "--per-category"),
     Case("bench-row-twice", "bench", bench("--methods", "ar,lookup,lookup"), "names lookup twice"),
     Case("mesh-axis-twice", "generate", gen("--mesh", "model=2,model=4", PROMPT), "at most once"),
-    Case("top-p-greedy", "generate", gen("--top-p", "0.5", PROMPT), "(0 is greedy)"),
+    Case("top-p-greedy", "generate", gen("--top-p", "0.5", PROMPT), "or drop it for greedy"),
     Case(
         "questions-folder",
         "bench",
@@ -192,10 +192,17 @@ CASES = [
         write("hf/config.json", "{oops"),
     ),
     Case(
+        "config-not-an-object",
+        "convert",
+        lambda f, c: [f / "hf", "--out", f / "o"],
+        "config.json (AttributeError",
+        write("hf/config.json", "[]"),
+    ),
+    Case(
         "no-tokenizer",
         "generate",
         lambda f, c: ["--model", f / "bare", PROMPT],
-        "has no tokenizer.json to read the prompt with",
+        "no tokenizer.json or tokenizer.model in it): convert the model from its HF folder",
         setup=lambda f, c: without_tokenizer(c, f / "bare"),
     ),
     Case(

@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxspec.bench import acceptance, run_benchmark, summarize
@@ -214,3 +215,19 @@ def test_float32_rows_load_float32_weights_on_any_backend(rows, dtype, loaded, m
     with pytest.raises(KeyboardInterrupt):
         run_benchmark(rows, "q.jsonl", dtype=dtype)
     assert asked == [loaded]
+
+
+@pytest.mark.parametrize("mesh", [None, "data=1,model=1"])
+def test_float32_asked_of_a_checkpoint_is_its_float32_weights_on_an_accelerator(
+    mesh, tiny_ckpt, monkeypatch
+):
+    """load_model(dtype="float32") where the backend's default is bfloat16: the stored
+    float32 weights exactly, not bfloat16-rounded ones cast back up."""
+    import jaxspec.checkpoint as checkpoint
+    from jaxspec.models import load_model
+
+    _, stored = load_checkpoint(tiny_ckpt[0], jnp.float32)
+    monkeypatch.setattr(checkpoint, "default_dtype", lambda: jnp.bfloat16)
+    loaded = load_model(tiny_ckpt[0], "float32", mesh)
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, stored)
+    assert load_model(tiny_ckpt[0], None, mesh).params["embed_tokens"].dtype == jnp.bfloat16

@@ -149,7 +149,8 @@ def parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     if init is not None:  # another method's or model's drafter: one line, before any work
         method, config = p.prog.removeprefix("jaxspec-train "), args.model or default_model_dir()
         if (config / CONFIG_FILE).is_file():  # the default model may be converted later
-            check_drafter(init, method, LlamaConfig.load(config / CONFIG_FILE))
+            check_drafter(init, method, LlamaConfig.load(config / CONFIG_FILE),
+                          "start fresh (no --init), or from a drafter of this model")  # fmt: skip
         else:
             read_settings(init, method)
     if getattr(args, "eval_questions", None):

@@ -62,8 +62,8 @@ def _open(path: Path):
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises many types on malformed files
         raise JaxspecError(
-            f"cannot read GGUF file {path} ({e}): not a GGUF file, or one cut short; download "
-            "it again"
+            f"cannot read GGUF file {path} ({e}): not a GGUF file the gguf package reads (its "
+            "version or quantization), or one cut short; download it again, or upgrade gguf"
         ) from None
 
 

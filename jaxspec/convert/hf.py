@@ -24,7 +24,7 @@ def read_hf_config(folder: Path) -> LlamaConfig:
         raise JaxspecError(f"{folder} has no config.json; pass an HF model folder or a .gguf file")
     try:
         cfg = LlamaConfig.from_hf_config(json.loads(file.read_text()))
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, AttributeError, TypeError) as e:  # not JSON, or no object
         raise JaxspecError(
             f"cannot read {file} ({type(e).__name__}: {e}); fix it or download it again"
         ) from None

@@ -164,9 +164,10 @@ def _shapes(tree) -> dict[str, tuple[int, ...]]:
     return flatten(tree, leaf=lambda x: tuple(x.shape))
 
 
-def check_drafter(path: Path, method: str, base: LlamaConfig):
+def check_drafter(path: Path, method: str, base: LlamaConfig, fix: str = ""):
     """A drafter folder's drafter.json, read and checked to hold a `method` drafter for a
-    model of `base`'s shapes (before its weights are read) -> (meta, settings, inline data)."""
+    model of `base`'s shapes (before its weights are read) -> (meta, settings, inline data);
+    fix: what the error for another model's drafter tells to do."""
     meta = read_meta(Path(path) / META)
     settings, data = _settings(meta, path, method)
     have = meta.get("base_model", {})
@@ -175,7 +176,7 @@ def check_drafter(path: Path, method: str, base: LlamaConfig):
         raise JaxspecError(
             f"drafter {path} was trained for {have.get('name')!r} "
             f"({', '.join(f'{k}={have.get(k)}' for k in shape_keys)}), not for {base.name!r}; "
-            f"train one for this model with `jaxspec-train {method} --model ...`"
+            + (fix or f"train one for this model with `jaxspec-train {method} --model ...`")
         )
     return meta, settings, data
 
