@@ -64,7 +64,7 @@ class LoadedModel:
 def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=None) -> LoadedModel:
     """src: a jaxspec checkpoint folder, an HF folder (safetensors), a .gguf file, or None
     for the default model (converted into $JAXSPEC_HOME on first use). dtype: "float32" or
-    "bfloat16" weights (None: float32 on CPU, bfloat16 on accelerators), each read in it.
+    "bfloat16" weights read in that dtype (None: float32 on CPU, bfloat16 on accelerators).
     mesh: "data=D,model=M" or a jax.sharding.Mesh to split the weights over
     (tensor-parallel, jaxspec.mesh); None: one device."""
     from jaxspec.convert import load_any

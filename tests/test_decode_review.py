@@ -203,9 +203,8 @@ def test_the_cache_holds_two_of_the_deepest_steps_past_the_answer():
         chain.cache_len(3, 31)
     ar = SpeculativeGenerator(cfg, None, max_len=25)
     assert ar.cache_len(3, 22) == 27
-    with pytest.raises(
-        JaxspecError, match=r"need 26 .*prompt or lower max_new_tokens \(--max-new-tokens\)$"
-    ):
+    fixes = r"lower max_new_tokens \(--max-new-tokens\), or raise a max_len \(--max-len\) set"
+    with pytest.raises(JaxspecError, match=rf"need 26 .*{fixes} below the model's context$"):
         ar.cache_len(3, 23)
 
 
