@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxspec.drafters.store import save_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.outputs import exclusive
 from tests.cli_harness import Case, run_case
@@ -40,6 +41,14 @@ def write(rel: str, data: bytes = b"kept"):
         (folder / rel).write_bytes(data)
 
     return setup
+
+
+def tiny_sdsat_drafter(folder: Path, ckpt: Path) -> None:
+    """folder/d: an untrained SDSAT adapter of the tiny checkpoint."""
+    from tests.test_bad_inputs import SETTINGS, _initial_drafter
+
+    cfg, params = _initial_drafter("sdsat", ckpt)
+    save_drafter(folder / "d", "sdsat", SETTINGS["sdsat"], params, cfg, "card")
 
 
 def truncated_npz() -> bytes:
@@ -83,6 +92,10 @@ CASES = [
          "sdsat drafts fixed trees"),  # fmt: skip
     Case("loss-basic-adapter", "train", tiny_args("sdsat", "--loss", "basic"),
          "--loss basic applies to --mode full only"),  # fmt: skip
+    Case("init-full-sdsat", "train",
+         tiny_args("sdsat", "--mode", "full", "--init", lambda f, c: f / "d"),
+         "--mode full fine-tunes the model itself from its own weights: drop --init",
+         setup=tiny_sdsat_drafter),
     Case("out-not-empty", "train", tiny_args("medusa"), "is not empty; pass --overwrite",
          setup=write("out/CARD.md"), keep=("out",)),
     Case("out-under-a-file", "train", tiny_args("ppd", "--out", lambda f, _: f / "f" / "sub"),

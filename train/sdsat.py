@@ -269,6 +269,9 @@ def train(argv) -> dict:
     args = parse_args(argv)
     if args.loss != "improved" and args.mode != "full":
         raise JaxspecError(f"--loss {args.loss} applies to --mode full only; add --mode full")
+    if args.mode == "full" and args.init is not None:
+        raise JaxspecError("--init starts an adapter from a drafter; --mode full fine-tunes the "
+                           "model itself from its own weights: drop --init")  # fmt: skip
     if args.mode == "full":
         from .sdsat_full import FullSdsat  # builds on Sdsat (a module-level import would cycle)
 
