@@ -133,13 +133,8 @@ def _generate(args, prompts: list[str]) -> None:
     model = load_model(args.model, args.dtype, make_mesh(args.mesh) if args.mesh else None)
     if model.tokenizer is None:  # the prompts are text
         raise JaxspecError(
-            f"the model at {model.path} has no tokenizer to read the prompt with ("
-            + (
-                "transformers built none from this GGUF"
-                if model.path.is_file()
-                else "no tokenizer.json or tokenizer.model in it"
-            )
-            + "): convert the model from its HF folder"
+            f"the model at {model.path} has no tokenizer (tokenizer.json or tokenizer.model) to "
+            "read the prompt with: convert the model from its HF folder"
         )
     generator = Generator(
         model,

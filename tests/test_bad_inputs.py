@@ -195,14 +195,14 @@ CASES = [
         "config-not-an-object",
         "convert",
         lambda f, c: [f / "hf", "--out", f / "o"],
-        "config.json (AttributeError",
+        "config.json (ValueError: a JSON list, not an object); fix it",
         write("hf/config.json", "[]"),
     ),
     Case(
         "no-tokenizer",
         "generate",
         lambda f, c: ["--model", f / "bare", PROMPT],
-        "no tokenizer.json or tokenizer.model in it): convert the model from its HF folder",
+        "has no tokenizer (tokenizer.json or tokenizer.model) to read the prompt with: convert",
         setup=lambda f, c: without_tokenizer(c, f / "bare"),
     ),
     Case(

@@ -140,22 +140,28 @@ def parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
         raise JaxspecError("--anneal minutes ends the learning rate's decay with the run's "
                            "minutes: give them with --max-minutes")  # fmt: skip
     check_folders(args, args.out, args.work_dir)
-    init = getattr(args, "init", None)
-    if init is not None and not all((init / f).is_file() for f in (META, WEIGHTS)):
+    if getattr(args, "init", None) is not None:
+        method = p.prog.removeprefix("jaxspec-train ")
+        check_init(args.init, method, args.model or default_model_dir())
+    if getattr(args, "eval_questions", None):
+        load_questions(args.eval_questions)  # a missing or malformed file: one line, now
+    return args
+
+
+def check_init(init: Path, method: str, model: Path) -> None:
+    """--init holds a `method` drafter for the model's shapes (where the model's config is
+    there yet: the default model may be converted later), or a one-line error before any
+    work is done."""
+    if not all((init / f).is_file() for f in (META, WEIGHTS)):
         raise JaxspecError(
             f"--init {init}: no drafter there (needs {META} and {WEIGHTS}); pass a drafter "
             "folder of this method, e.g. drafters/<model>/<method>"
         )
-    if init is not None:  # another method's or model's drafter: one line, before any work
-        method, config = p.prog.removeprefix("jaxspec-train "), args.model or default_model_dir()
-        if (config / CONFIG_FILE).is_file():  # the default model may be converted later
-            check_drafter(init, method, LlamaConfig.load(config / CONFIG_FILE),
-                          "start fresh (no --init), or from a drafter of this model")  # fmt: skip
-        else:
-            read_settings(init, method)
-    if getattr(args, "eval_questions", None):
-        load_questions(args.eval_questions)  # a missing or malformed file: one line, now
-    return args
+    if (model / CONFIG_FILE).is_file():
+        check_drafter(init, method, LlamaConfig.load(model / CONFIG_FILE),
+                      "start fresh (no --init), or from a drafter of this model")  # fmt: skip
+    else:
+        read_settings(init, method)
 
 
 # In --out while a run writes its drafter and measures it: the run's name (run_name), so

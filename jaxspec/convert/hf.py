@@ -23,8 +23,11 @@ def read_hf_config(folder: Path) -> LlamaConfig:
     if not file.is_file():
         raise JaxspecError(f"{folder} has no config.json; pass an HF model folder or a .gguf file")
     try:
-        cfg = LlamaConfig.from_hf_config(json.loads(file.read_text()))
-    except (ValueError, KeyError, AttributeError, TypeError) as e:  # not JSON, or no object
+        raw = json.loads(file.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+        cfg = LlamaConfig.from_hf_config(raw)
+    except (ValueError, KeyError) as e:
         raise JaxspecError(
             f"cannot read {file} ({type(e).__name__}: {e}); fix it or download it again"
         ) from None
