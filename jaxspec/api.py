@@ -20,12 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jaxspec.drafters import registry
-from jaxspec.errors import JaxspecError, option
-from jaxspec.generate import GenerationResult, checked_new_tokens
+from jaxspec.errors import JaxspecError, given_path, option
+from jaxspec.generate import GenerationResult, cache_len, checked_new_tokens
 from jaxspec.methods import build_generator, chosen_drafter_folder
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling, check_seed
 from jaxspec.text import TextStream, encode_prompt
+from jaxspec.tree import DynamicTree, TreeSpec
 
 Prompt = str | list[int]
 
@@ -34,7 +35,8 @@ class Generator:
     """Speculative (or plain, method="ar") generation with one method's drafter.
 
     drafter: a drafter folder (None: the one shipped for the model); tree: a tree preset or
-    one the drafter ships (None: the method's default for this backend); max_len: the most
+    one the drafter ships, by name, or a TreeSpec (DynamicTree) built by hand (None: the
+    method's default for this backend); max_len: the most
     positions a prompt and its answer may take (None: the model's context); products: how
     bfloat16 weights multiply, "exact", "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS;
     None: the backend's default, plain-prefill on a GPU, else exact). ppd_k / ppd_layer,
@@ -54,7 +56,7 @@ class Generator:
         method: str = "ar",
         *,
         drafter: str | Path | None = None,
-        tree: str | None = None,
+        tree: str | TreeSpec | DynamicTree | None = None,
         max_len: int | None = None,
         products: str | None = None,
         chat: bool = True,
@@ -64,10 +66,13 @@ class Generator:
         sdsat_loop: str | None = None,
         retrieval: int | None = None,
     ):
+        checked_model(model)
         registry.method(method)
+        if not isinstance(chat, bool):
+            raise JaxspecError(f"chat must be True or False, got {chat!r}")
         self.model, self.method, self.chat = model, method, chat
         self._options = dict(
-            drafter_dir=Path(drafter) if drafter is not None else None, tree=tree,
+            drafter_dir=given_path(drafter, option("drafter")), tree=tree,
             max_len=max_len, products=products, ppd_k=ppd_k, ppd_layer=ppd_layer,
             firp_chains=firp_chains, sdsat_loop=sdsat_loop, retrieval=retrieval,
         )  # fmt: skip
@@ -165,6 +170,7 @@ class Generator:
         ids = self.encode(prompt)
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
         max_new_tokens = checked_new_tokens(max_new_tokens)
+        cache_len(len(ids), max_new_tokens, 0, decoder.max_len)  # fits: fail here, not later
         return Stream(self, decoder, ids, max_new_tokens, check_seed(seed))
 
 
@@ -261,7 +267,16 @@ def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None
     its settings, weights and data arrays (`jaxspec.drafters.store.StoredDrafter`)."""
     from jaxspec.drafters.store import load_drafter as load
 
+    checked_model(model)
     if not registry.method(method).drafter_folder:
         raise JaxspecError(f"method {method!r} has no drafter")
-    folder = chosen_drafter_folder(model, method, Path(path) if path else None)
+    folder = chosen_drafter_folder(model, method, given_path(path, "the drafter's path"))
     return load(folder, method, model.cfg)
+
+
+def checked_model(model) -> None:
+    if not isinstance(model, LoadedModel):
+        raise JaxspecError(
+            f"expected a loaded model (model = jaxspec.load_model(PATH)), got "
+            f"{type(model).__name__}"
+        )

@@ -164,7 +164,9 @@ class LlamaConfig:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, ValueError, TypeError) as e:
-            raise JaxspecError(f"cannot read model config {path}: {e}") from None
+            raise JaxspecError(
+                f"cannot read model config {path}: {e}; convert the model again (jaxspec-convert)"
+            ) from None
 
     # ---- Hugging Face -------------------------------------------------------------
     @classmethod

@@ -26,12 +26,13 @@ def checked_max_len(max_len: int | None, max_position: int) -> int:
     a clear error."""
     if max_len is None:
         return max_position
-    if not 1 <= max_len <= max_position:
+    integer = isinstance(max_len, numbers.Integral) and not isinstance(max_len, bool)
+    if not integer or not 1 <= max_len <= max_position:
         raise JaxspecError(
-            f"{option('max_len')} {max_len} is outside the model's context of {max_position} "
-            f"positions; pass 1 to {max_position} (or leave it out)"
+            f"{option('max_len')} must be an integer from 1 to the model's context of "
+            f"{max_position} positions (or left out), got {max_len!r}"
         )
-    return max_len
+    return int(max_len)
 
 
 def checked_new_tokens(max_new_tokens) -> int:

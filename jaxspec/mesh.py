@@ -59,8 +59,16 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def as_mesh(mesh) -> Mesh | None:
-    """A mesh from "data=D,model=M", a Mesh as given, None as None (one device)."""
-    return make_mesh(parse_mesh(mesh)) if isinstance(mesh, str) else mesh
+    """A mesh from "data=D,model=M", a Mesh with axes ("data", "model") as given, None as
+    None (one device)."""
+    if isinstance(mesh, str):
+        return make_mesh(parse_mesh(mesh))
+    if mesh is None or isinstance(mesh, Mesh) and mesh.axis_names == MESH_AXES:
+        return mesh
+    got = f"a Mesh with axes {mesh.axis_names}" if isinstance(mesh, Mesh) else type(mesh).__name__
+    raise JaxspecError(
+        f'{option("mesh")} is "data=D,model=M" or a jax Mesh with axes {MESH_AXES}, got {got}'
+    )
 
 
 def make_mesh(shape: dict[str, int], devices=None) -> Mesh:

@@ -19,7 +19,7 @@ from jaxspec.checkpoint import (
     load_params_sharded,
 )
 from jaxspec.config import LlamaConfig
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, given_path
 from jaxspec.llama import compute_params
 from jaxspec.mesh import as_mesh, shard_params
 
@@ -72,7 +72,7 @@ def load_model(src: str | Path | None = None, dtype: str | None = None, mesh=Non
     from jaxspec.convert.hf import load_tokenizer
 
     host_dtype = checked_dtype(dtype)
-    path = Path(src) if src else ensure_default_model()
+    path = given_path(src, "the model's path") or ensure_default_model()
     if not path.exists():
         raise JaxspecError(
             f"no model at {path}: pass a jaxspec checkpoint folder (`jaxspec-convert SRC --out "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 
 import jax
@@ -24,10 +23,13 @@ NUCLEUS_CANDIDATES = (256, 4096)  # top_p alone: the nucleus is sought among thi
 def check_seed(seed) -> int:
     """A seed jax.random.key takes whole: an integer in [0, 2**32) (without 64-bit mode it
     keeps only the low 32 bits, so larger seeds would repeat smaller ones' samples)."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+    integer = isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_))
+    if not integer or not 0 <= seed < 2**32:
         raise JaxspecError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
-    return seed
+    return int(seed)
 
+
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # logits are divided by it in float32
 
 # a Sampling field -> (the types it takes, its Python type, what an error calls it)
 FIELD_KINDS = {
@@ -59,10 +61,10 @@ class Sampling:
             if not isinstance(value, kind) or (flag and make is not bool):
                 raise JaxspecError(f"{option(name)} must be {what}, got {value!r}")
             object.__setattr__(self, name, make(value))  # numpy scalars as Python's
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # (NaN fails too)
             raise JaxspecError(
-                f"{option('temperature')} must be a finite number >= 0 (0 = greedy), got "
-                f"{self.temperature}"
+                f"{option('temperature')} must be a number from 0 (greedy) to "
+                f"{MAX_TEMPERATURE:.3g}, got {self.temperature}"
             )
         if not 0 < self.top_p <= 1:
             raise JaxspecError(f"{option('top_p')} must be in (0, 1], got {self.top_p}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import numbers
 import re
 from collections.abc import Sequence
 from functools import cached_property
@@ -29,7 +30,9 @@ MAX_DEPTH = 1024  # deeper than any drafter drafts; a chain's paths grow as dept
 
 
 def check_depth(depth: int, name: str) -> None:
-    """Refuse a tree deeper than MAX_DEPTH before its paths are built."""
+    """Refuse a tree that is not 1 to MAX_DEPTH deep before its paths are built."""
+    if not _is_count(depth) or depth < 1:
+        raise JaxspecError(f"tree {name}: its depth must be an integer >= 1, got {depth!r}")
     if depth > MAX_DEPTH:
         raise JaxspecError(
             f"tree {name} is {depth} tokens deep; trees go at most {MAX_DEPTH} deep (no "
@@ -37,38 +40,64 @@ def check_depth(depth: int, name: str) -> None:
         )
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _path(path) -> tuple[int, ...]:
+    """One path as a tuple of Python ints, else a one-line error."""
+    ranks = path.tolist() if isinstance(path, np.ndarray) else path
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise JaxspecError(f"invalid tree: a path is a sequence of ranks, got {path!r}")
+    if not ranks or not all(_is_count(r) and r >= 0 for r in ranks):
+        raise JaxspecError(
+            f"invalid tree: path {tuple(ranks)} must be a non-empty sequence of integer ranks >= 0"
+        )
+    return tuple(int(r) for r in ranks)
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
+    """A static tree from its paths (lists or tuples, in any order; each path's parent
+    must be in the tree too), kept sorted by (depth, ranks). TreeSpec(()) is plain AR's
+    empty tree."""
+
     paths: tuple[tuple[int, ...], ...]  # sorted by (depth, ranks); the root is implicit
     name: str = dataclasses.field(default="", compare=False)  # a preset's; not in hash/eq
 
-    @classmethod
-    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreeSpec:
-        normal = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
-        if len(normal) != len(paths):
+    def __post_init__(self):
+        given = self.paths
+        if isinstance(given, (str, bytes)) or not isinstance(given, (Sequence, np.ndarray)):
+            raise JaxspecError(f"invalid tree: paths are a sequence of paths, got {given!r}")
+        given = [_path(p) for p in given]
+        normal = sorted(set(given), key=lambda p: (len(p), p))
+        if len(normal) != len(given):
             raise JaxspecError("invalid tree: a path is listed twice")
         present = set(normal)
         for p in normal:
-            if not p or min(p) < 0:
-                raise JaxspecError(
-                    f"invalid tree: path {p} must be a non-empty tuple of ranks >= 0"
-                )
             if len(p) > 1 and p[:-1] not in present:
                 raise JaxspecError(f"invalid tree: path {p} has no parent {p[:-1]} in the tree")
-        return cls(tuple(normal))
+        object.__setattr__(self, "paths", tuple(normal))
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreeSpec:
+        """TreeSpec(paths), by a name that says what it takes."""
+        return cls(paths)
 
     @classmethod
     def chain(cls, depth: int) -> TreeSpec:
         """Top-1 guesses only: a chain of `depth` drafted tokens."""
         check_depth(depth, f"chain-{depth}")
-        return cls.from_paths([(0,) * d for d in range(1, depth + 1)])
+        return cls([(0,) * d for d in range(1, depth + 1)])
 
     @classmethod
     def comb(cls, depth: int, width: int) -> TreeSpec:
         """The top-1 chain of `depth` tokens with the rank 1..width-1 alternatives of every
         depth hanging off it (SDSAT's sampling trees: top-`width` per position)."""
         check_depth(depth, f"comb-{depth}-{width}")
-        return cls.from_paths([(0,) * d + (r,) for d in range(depth) for r in range(width)])
+        if not _is_count(width) or width < 1:
+            raise JaxspecError(f"tree comb-{depth}-{width}: its width must be an integer >= 1")
+        return cls([(0,) * d + (r,) for d in range(depth) for r in range(width)])
 
     @property
     def n_nodes(self) -> int:
@@ -247,9 +276,11 @@ class DynamicTree:
     name: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self):
-        if self.nodes < 2 or self.depth < 0 or self.width < 1:
+        sizes = (self.nodes, self.depth, self.width)
+        if not all(map(_is_count, sizes)) or self.nodes < 2 or self.depth < 0 or self.width < 1:
             raise JaxspecError(
-                f"invalid {self.label}: it needs 2 nodes or more and 1 guess a node or more"
+                f"invalid {self.label}: its nodes (>= 2), depth (>= 0, 0: the drafter's) and "
+                "guesses a node (>= 1) are whole numbers"
             )
         reachable = sum(self.width**d for d in range(1, self.depth + 1))
         if self.depth and reachable < self.nodes - 1:
@@ -280,6 +311,11 @@ def tree_preset(name: str) -> TreeSpec | DynamicTree:
     """A preset, `chain-N` (1 <= N <= MAX_DEPTH), `comb-N-W` (TreeSpec.comb(N, W)) or `dynamic-N`
     (DynamicTree: N nodes with the root; `dynamic-N-D-W` sets its depth and guesses a node),
     named `name`."""
+    if not isinstance(name, str):
+        raise JaxspecError(
+            f"a tree is named by a string (e.g. 'chain-2', 'searched-16', 'dynamic-16'), got "
+            f"{type(name).__name__}"
+        )
     if m := re.fullmatch(r"dynamic-([1-9][0-9]*)(?:-([1-9][0-9]*)-([1-9][0-9]*))?", name):
         depth, width = (int(m[2]), int(m[3])) if m[2] else (0, DynamicTree.width)
         return DynamicTree(int(m[1]), depth, width, name=name)

@@ -181,7 +181,7 @@ def test_ppd_asks_for_k_plus_1_devices_of_the_model_split_each(monkeypatch):
         (["--max-len", "16", "w5 " * 20], "exceeds the limit of 16 positions"),
         (
             ["--max-len", "100000", "w5"],
-            "max_len (--max-len) 100000 is outside the model's context",
+            "max_len (--max-len) must be an integer from 1 to the model's context of",
         ),
         (["   "], "empty prompt"),
         (["--top-p", "0", "w5"], "argument --top-p: must be in (0, 1]"),

@@ -32,10 +32,13 @@ def default_tree(settings: DrafterSettings) -> str:
     return "searched-64" if "searched-64" in settings.trees else "gpu-63"
 
 
-def resolve_tree(name: str, settings: DrafterSettings | None = None) -> TreeSpec:
-    """A tree the drafter ships (its settings' trees) or a preset."""
+def resolve_tree(name, settings: DrafterSettings | None = None) -> TreeSpec | DynamicTree:
+    """A tree the drafter ships (its settings' trees) or a preset, by name; a TreeSpec or
+    DynamicTree as given."""
+    if isinstance(name, (TreeSpec, DynamicTree)):
+        return name
     own = settings.trees if settings is not None else {}
-    if name in own:
+    if isinstance(name, str) and name in own:
         return TreeSpec.from_paths(own[name])
     try:
         return tree_preset(name)
@@ -116,10 +119,10 @@ class Drafter:
         options (`registry.Method.options`) given."""
         raise NotImplementedError
 
-    def select_tree(self, name: str | None, settings: DrafterSettings) -> TreeSpec:
-        """The tree to verify: `name` (a preset or one of the drafter's own trees), else
-        the drafter's default for this backend."""
-        return resolve_tree(name or default_tree(settings), settings)
+    def select_tree(self, name, settings: DrafterSettings) -> TreeSpec | DynamicTree:
+        """The tree to verify: `name` (a preset or one of the drafter's own trees, or a tree
+        built by hand), None: the drafter's default for this backend."""
+        return resolve_tree(default_tree(settings) if name is None else name, settings)
 
     def for_tree(self, tree: TreeSpec, settings: DrafterSettings, data, **options) -> Drafter:
         """This drafter specialised for `tree` (FIRP places its pseudo chains); data: the

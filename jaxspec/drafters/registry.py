@@ -108,7 +108,7 @@ METHODS = tuple(REGISTRY)
 
 
 def method(name: str) -> Method:
-    if name not in REGISTRY:
+    if not isinstance(name, str) or name not in REGISTRY:
         raise JaxspecError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
     return REGISTRY[name]
 

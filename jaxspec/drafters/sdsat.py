@@ -122,17 +122,17 @@ class SdsatDrafter(Drafter):
         one_forward = sdsat_loop == "one-forward"
         return cls(cfg, settings.rank, settings.n_ids, one_forward)
 
-    def select_tree(self, name: str | None, settings: SdsatSettings) -> TreeSpec:
+    def select_tree(self, name, settings: SdsatSettings) -> TreeSpec:
         """The one-forward loop takes presets only: the drafter's own trees were searched
         for the two-step loop (their depth 1 is the model's own token)."""
         if not self.one_forward:
             return super().select_tree(name, settings)
-        if name in settings.trees:
+        if isinstance(name, str) and name in settings.trees:
             raise JaxspecError(
                 f"tree {name!r} was searched for sdsat's two-step loop (its depth 1 is the "
                 "model's own token); with the one-forward loop pick a preset: chain-N, comb-D-W"
             )
-        return resolve_tree(name or CPU_TREE)
+        return resolve_tree(CPU_TREE if name is None else name)
 
     def __post_init__(self):
         if self.rank < 0 or self.n_ids < 1:
