@@ -22,6 +22,7 @@ _EXPORTS = {
     "Generator": "jaxspec.api",
     "GenerationResult": "jaxspec.generate",
     "TreeSpec": "jaxspec.tree",
+    "DynamicTree": "jaxspec.tree",
     "Sampling": "jaxspec.sampling",
     "JaxspecError": "jaxspec.errors",
 }

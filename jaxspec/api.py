@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from jaxspec.drafters import registry
-from jaxspec.errors import JaxspecError, given_path, option
+from jaxspec.errors import JaxspecError, given_path, is_whole, option
 from jaxspec.generate import GenerationResult, cache_len, checked_new_tokens
 from jaxspec.methods import build_generator, chosen_drafter_folder
 from jaxspec.models import LoadedModel
@@ -66,7 +65,7 @@ class Generator:
         sdsat_loop: str | None = None,
         retrieval: int | None = None,
     ):
-        checked_model(model)
+        _checked_model(model)
         registry.method(method)
         if not isinstance(chat, bool):
             raise JaxspecError(f"chat must be True or False, got {chat!r}")
@@ -105,7 +104,7 @@ class Generator:
             raise JaxspecError(
                 f"a prompt is a str or a list of token ids, got {type(prompt).__name__}"
             )
-        odd = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        odd = [t for t in prompt if not is_whole(t)]
         if odd:
             raise JaxspecError(
                 f"a prompt's token ids are integers, got {odd[0]!r} ({type(odd[0]).__name__}); "
@@ -170,7 +169,7 @@ class Generator:
         ids = self.encode(prompt)
         decoder = self._decoder(Sampling(temperature, top_k, top_p, typical))
         max_new_tokens = checked_new_tokens(max_new_tokens)
-        cache_len(len(ids), max_new_tokens, 0, decoder.max_len)  # fits: fail here, not later
+        cache_len(len(ids), max_new_tokens, 0, decoder.max_len)  # checked before the thread starts
         return Stream(self, decoder, ids, max_new_tokens, check_seed(seed))
 
 
@@ -267,14 +266,14 @@ def load_drafter(model: LoadedModel, method: str, path: str | Path | None = None
     its settings, weights and data arrays (`jaxspec.drafters.store.StoredDrafter`)."""
     from jaxspec.drafters.store import load_drafter as load
 
-    checked_model(model)
+    _checked_model(model)
     if not registry.method(method).drafter_folder:
         raise JaxspecError(f"method {method!r} has no drafter")
     folder = chosen_drafter_folder(model, method, given_path(path, "the drafter's path"))
     return load(folder, method, model.cfg)
 
 
-def checked_model(model) -> None:
+def _checked_model(model) -> None:
     if not isinstance(model, LoadedModel):
         raise JaxspecError(
             f"expected a loaded model (model = jaxspec.load_model(PATH)), got "

@@ -32,7 +32,7 @@ from jaxspec.checkpoint import CONFIG_FILE, is_checkpoint, jaxspec_home
 from jaxspec.config import LlamaConfig
 from jaxspec.drafters.registry import REGISTRY
 from jaxspec.drafters.store import DATA, META, WEIGHTS, read_settings
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, given_path
 from jaxspec.generate import GenerationResult
 from jaxspec.methods import DRAFTERS_DIR, default_tree
 from jaxspec.models import load_model
@@ -92,7 +92,7 @@ def best_configuration(
     else (or with remeasure) measured now and cached."""
     from jaxspec.convert.default_model import ensure_default_model
 
-    model_dir = Path(model_src) if model_src else ensure_default_model()
+    model_dir = given_path(model_src, "the model's path") or ensure_default_model()
     name = model_name(model_dir)
     folder = Path(drafters) / name
     key = cache_key(model_dir, name, folder)

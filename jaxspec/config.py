@@ -163,7 +163,9 @@ class LlamaConfig:
     def load(cls, path: Path) -> LlamaConfig:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
-        except (OSError, ValueError, TypeError) as e:
+        except OSError as e:
+            raise JaxspecError(f"cannot read model config {path}: {e}") from None
+        except (ValueError, TypeError) as e:
             raise JaxspecError(
                 f"cannot read model config {path}: {e}; convert the model again (jaxspec-convert)"
             ) from None

@@ -3,6 +3,7 @@ helpers that phrase it."""
 
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 
@@ -27,3 +28,8 @@ def given_path(value, what: str) -> Path | None:
     if not isinstance(value, (str, os.PathLike)):
         raise JaxspecError(f"{what} must be a path (str or Path), got {type(value).__name__}")
     return Path(value).expanduser()
+
+
+def is_whole(value) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -4,9 +4,8 @@ itself is `jaxspec.decode.SpeculativeGenerator`; plain AR decoding is its empty 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
-from jaxspec.errors import JaxspecError, option
+from jaxspec.errors import JaxspecError, is_whole, option
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_LEN = 128
@@ -26,8 +25,7 @@ def checked_max_len(max_len: int | None, max_position: int) -> int:
     a clear error."""
     if max_len is None:
         return max_position
-    integer = isinstance(max_len, numbers.Integral) and not isinstance(max_len, bool)
-    if not integer or not 1 <= max_len <= max_position:
+    if not is_whole(max_len) or not 1 <= max_len <= max_position:
         raise JaxspecError(
             f"{option('max_len')} must be an integer from 1 to the model's context of "
             f"{max_position} positions (or left out), got {max_len!r}"
@@ -37,8 +35,7 @@ def checked_max_len(max_len: int | None, max_position: int) -> int:
 
 def checked_new_tokens(max_new_tokens) -> int:
     """max_new_tokens as a Python int (numpy's taken), else a one-line error."""
-    integer = isinstance(max_new_tokens, numbers.Integral) and not isinstance(max_new_tokens, bool)
-    if not integer or max_new_tokens < 1:
+    if not is_whole(max_new_tokens) or max_new_tokens < 1:
         raise JaxspecError(
             f"{option('max_new_tokens')} must be an integer >= 1, got {max_new_tokens!r}"
         )

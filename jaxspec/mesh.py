@@ -63,7 +63,7 @@ def as_mesh(mesh) -> Mesh | None:
     None (one device)."""
     if isinstance(mesh, str):
         return make_mesh(parse_mesh(mesh))
-    if mesh is None or isinstance(mesh, Mesh) and mesh.axis_names == MESH_AXES:
+    if mesh is None or (isinstance(mesh, Mesh) and mesh.axis_names == MESH_AXES):
         return mesh
     got = f"a Mesh with axes {mesh.axis_names}" if isinstance(mesh, Mesh) else type(mesh).__name__
     raise JaxspecError(

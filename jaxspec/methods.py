@@ -12,10 +12,11 @@ from jaxspec.decode import SpeculativeGenerator
 from jaxspec.drafters.base import default_tree, resolve_tree
 from jaxspec.drafters.registry import SDSAT_LOOPS, check_options, method
 from jaxspec.drafters.retrieval import RetrievalDrafter
-from jaxspec.errors import JaxspecError, option
+from jaxspec.errors import JaxspecError, given_path, option
 from jaxspec.llama import compute_params
 from jaxspec.models import LoadedModel
 from jaxspec.sampling import Sampling
+from jaxspec.tree import DynamicTree, TreeSpec
 
 __all__ = ["SDSAT_LOOPS", "build_generator", "default_tree", "resolve_tree"]
 
@@ -173,7 +174,7 @@ def build_generator(
     model: LoadedModel,
     name: str,
     drafter_dir: Path | None = None,
-    tree: str | None = None,
+    tree: str | TreeSpec | DynamicTree | None = None,
     sampling: Sampling | None = None,
     max_len: int | None = None,
     products: str | None = None,
@@ -188,5 +189,5 @@ def build_generator(
     if sampling is not None:
         sampling.check_vocabulary(model.cfg.vocab_size)
     options = {k: v for k, v in options.items() if v is not None}
-    drafter_dir = Path(drafter_dir) if drafter_dir is not None else None
+    drafter_dir = given_path(drafter_dir, option("drafter"))
     return m.load(m.builder)(model, m, drafter_dir, tree, sampling, max_len, products, options)

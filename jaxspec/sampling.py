@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.errors import JaxspecError, option
+from jaxspec.errors import JaxspecError, is_whole, option
 
 NEG_INF = jnp.finfo(jnp.float32).min
 NUCLEUS_CANDIDATES = (256, 4096)  # top_p alone: the nucleus is sought among this many tokens
@@ -23,13 +23,15 @@ NUCLEUS_CANDIDATES = (256, 4096)  # top_p alone: the nucleus is sought among thi
 def check_seed(seed) -> int:
     """A seed jax.random.key takes whole: an integer in [0, 2**32) (without 64-bit mode it
     keeps only the low 32 bits, so larger seeds would repeat smaller ones' samples)."""
-    integer = isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_))
-    if not integer or not 0 <= seed < 2**32:
+    if not is_whole(seed) or not 0 <= seed < 2**32:
         raise JaxspecError(f"seed must be an integer from 0 to 2**32 - 1, got {seed!r}")
     return int(seed)
 
 
-MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # logits are divided by it in float32
+# logits are divided by the temperature in float32: its normal numbers (smaller ones are
+# flushed to zero)
+MIN_TEMPERATURE = float(np.finfo(np.float32).tiny)
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
 
 # a Sampling field -> (the types it takes, its Python type, what an error calls it)
 FIELD_KINDS = {
@@ -61,10 +63,11 @@ class Sampling:
             if not isinstance(value, kind) or (flag and make is not bool):
                 raise JaxspecError(f"{option(name)} must be {what}, got {value!r}")
             object.__setattr__(self, name, make(value))  # numpy scalars as Python's
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # (NaN fails too)
+        t = self.temperature
+        if not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):  # (NaN fails too)
             raise JaxspecError(
-                f"{option('temperature')} must be a number from 0 (greedy) to "
-                f"{MAX_TEMPERATURE:.3g}, got {self.temperature}"
+                f"{option('temperature')} must be 0 (greedy) or from {MIN_TEMPERATURE:.3g} to "
+                f"{MAX_TEMPERATURE:.3g}, got {t}"
             )
         if not 0 < self.top_p <= 1:
             raise JaxspecError(f"{option('top_p')} must be in (0, 1], got {self.top_p}")
@@ -99,7 +102,9 @@ def warped_logprobs(logits: jax.Array, s: Sampling) -> jax.Array:
     top-k keeps the k tokens jax.lax.top_k returns (the lower id first among equal logits);
     the nucleus is then taken among them, so only k values are sorted, not V: on XLA:CPU a
     verify step's [T, V] sort can cost more than its forward, hence also `_keep_nucleus`."""
-    logits = logits.astype(jnp.float32) / s.temperature
+    logits = logits.astype(jnp.float32)
+    # shifted to a max of 0 before dividing: a tiny temperature then gives -inf, never +inf
+    logits = (logits - logits.max(-1, keepdims=True)) / s.temperature
     if s.top_k:
         values, ids = jax.lax.top_k(logits, s.top_k)  # [..., k], descending
         if s.top_p < 1:

@@ -17,21 +17,20 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import numbers
 import re
 from collections.abc import Sequence
 from functools import cached_property
 
 import numpy as np
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, is_whole
 
 MAX_DEPTH = 1024  # deeper than any drafter drafts; a chain's paths grow as depth squared
 
 
 def check_depth(depth: int, name: str) -> None:
     """Refuse a tree that is not 1 to MAX_DEPTH deep before its paths are built."""
-    if not _is_count(depth) or depth < 1:
+    if not is_whole(depth) or depth < 1:
         raise JaxspecError(f"tree {name}: its depth must be an integer >= 1, got {depth!r}")
     if depth > MAX_DEPTH:
         raise JaxspecError(
@@ -40,16 +39,14 @@ def check_depth(depth: int, name: str) -> None:
         )
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
 def _path(path) -> tuple[int, ...]:
     """One path as a tuple of Python ints, else a one-line error."""
     ranks = path.tolist() if isinstance(path, np.ndarray) else path
     if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
         raise JaxspecError(f"invalid tree: a path is a sequence of ranks, got {path!r}")
-    if not ranks or not all(_is_count(r) and r >= 0 for r in ranks):
+    if ranks and all(type(r) is int and r >= 0 for r in ranks):  # the usual case, fast
+        return tuple(ranks)
+    if not ranks or not all(is_whole(r) and r >= 0 for r in ranks):
         raise JaxspecError(
             f"invalid tree: path {tuple(ranks)} must be a non-empty sequence of integer ranks >= 0"
         )
@@ -85,19 +82,19 @@ class TreeSpec:
         return cls(paths)
 
     @classmethod
-    def chain(cls, depth: int) -> TreeSpec:
+    def chain(cls, depth: int, name: str = "") -> TreeSpec:
         """Top-1 guesses only: a chain of `depth` drafted tokens."""
         check_depth(depth, f"chain-{depth}")
-        return cls([(0,) * d for d in range(1, depth + 1)])
+        return cls([(0,) * d for d in range(1, depth + 1)], name)
 
     @classmethod
-    def comb(cls, depth: int, width: int) -> TreeSpec:
+    def comb(cls, depth: int, width: int, name: str = "") -> TreeSpec:
         """The top-1 chain of `depth` tokens with the rank 1..width-1 alternatives of every
         depth hanging off it (SDSAT's sampling trees: top-`width` per position)."""
         check_depth(depth, f"comb-{depth}-{width}")
-        if not _is_count(width) or width < 1:
+        if not is_whole(width) or width < 1:
             raise JaxspecError(f"tree comb-{depth}-{width}: its width must be an integer >= 1")
-        return cls([(0,) * d + (r,) for d in range(depth) for r in range(width)])
+        return cls([(0,) * d + (r,) for d in range(depth) for r in range(width)], name)
 
     @property
     def n_nodes(self) -> int:
@@ -277,11 +274,14 @@ class DynamicTree:
 
     def __post_init__(self):
         sizes = (self.nodes, self.depth, self.width)
-        if not all(map(_is_count, sizes)) or self.nodes < 2 or self.depth < 0 or self.width < 1:
+        if not all(map(is_whole, sizes)) or self.nodes < 2 or self.depth < 0 or self.width < 1:
             raise JaxspecError(
-                f"invalid {self.label}: its nodes (>= 2), depth (>= 0, 0: the drafter's) and "
-                "guesses a node (>= 1) are whole numbers"
+                f"invalid {self.label}: nodes must be a whole number >= 2, depth >= 0 (0: the "
+                f"drafter's) and width (guesses a node) >= 1; got nodes={self.nodes!r}, "
+                f"depth={self.depth!r}, width={self.width!r}"
             )
+        for field, size in zip(("nodes", "depth", "width"), sizes, strict=True):
+            object.__setattr__(self, field, int(size))  # numpy's as Python's
         reachable = sum(self.width**d for d in range(1, self.depth + 1))
         if self.depth and reachable < self.nodes - 1:
             raise JaxspecError(
@@ -322,9 +322,9 @@ def tree_preset(name: str) -> TreeSpec | DynamicTree:
     if name in PRESETS:
         return dataclasses.replace(PRESETS[name], name=name)
     if m := re.fullmatch(r"chain-([1-9][0-9]*)", name):
-        return dataclasses.replace(TreeSpec.chain(int(m[1])), name=name)
+        return TreeSpec.chain(int(m[1]), name)
     if m := re.fullmatch(r"comb-([1-9][0-9]*)-([1-9][0-9]*)", name):
-        return dataclasses.replace(TreeSpec.comb(int(m[1]), int(m[2])), name=name)
+        return TreeSpec.comb(int(m[1]), int(m[2]), name)
     raise JaxspecError(
         f"unknown tree {name!r}; known: {', '.join(PRESETS)}, chain-N, comb-DEPTH-WIDTH, "
         "dynamic-N, dynamic-N-DEPTH-WIDTH"

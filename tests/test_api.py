@@ -45,8 +45,8 @@ SETTINGS = {
     "sdsat": SdsatSettings(rank=2),
     "eagle": EagleSettings(layers=(1, 1, 2), depth=3),
 }
-PUBLIC = ["load_model", "load_drafter", "Generator", "GenerationResult", "TreeSpec", "Sampling",
-          "JaxspecError", "METHODS"]  # fmt: skip
+PUBLIC = ["load_model", "load_drafter", "Generator", "GenerationResult", "TreeSpec",
+          "DynamicTree", "Sampling", "JaxspecError", "METHODS"]  # fmt: skip
 
 
 def write_drafters(ckpt: Path, folder: Path) -> Path:

@@ -83,10 +83,14 @@ def test_a_mesh_is_text_or_a_mesh_of_the_two_axes(tiny_ckpt):
                 f"'model'), {got}", jaxspec.load_model, tiny_ckpt[0], mesh=mesh)  # fmt: skip
 
 
-def test_sampling_takes_numpy_seeds_and_refuses_an_overflowing_temperature(ar):
-    assert ar.generate(PROMPT, N, seed=np.int64(3)).token_ids == ar.generate(PROMPT, N).token_ids
-    refused("temperature (--temperature) must be a number from 0 (greedy) to 3.4e+38",
-            ar.generate, PROMPT, N, temperature=1e300)  # fmt: skip
+def test_sampling_takes_numpy_seeds_and_float32_temperatures(ar):
+    sampled = ar.generate(PROMPT, N, temperature=1.0, seed=3).token_ids
+    assert ar.generate(PROMPT, N, temperature=1.0, seed=np.int64(3)).token_ids == sampled
+    greedy = ar.generate(PROMPT, N).token_ids
+    assert ar.generate(PROMPT, N, temperature=1e-30, seed=3).token_ids == greedy  # once all 0s
+    for t in (1e300, 1e-39):  # beyond float32, below its normal numbers (flushed to 0)
+        refused("temperature (--temperature) must be 0 (greedy) or from 1.18e-38 to 3.4e+38",
+                ar.generate, PROMPT, N, temperature=t)  # fmt: skip
 
 
 def test_stream_refuses_what_cannot_fit_at_the_call(ar, model):
@@ -108,7 +112,7 @@ def test_stream_refuses_what_cannot_fit_at_the_call(ar, model):
         (lambda: TreeSpec.from_paths([(0,), (0,)]), "a path is listed twice"),
         (lambda: TreeSpec.chain(0), "tree chain-0: its depth must be an integer >= 1"),
         (lambda: TreeSpec.comb(2, 0), "tree comb-2-0: its width must be an integer >= 1"),
-        (lambda: DynamicTree(8.5), "are whole numbers"),
+        (lambda: DynamicTree(8.5), "got nodes=8.5, depth=0, width=8"),
     ],
 )
 def test_a_tree_built_by_hand_is_checked(build, message):

@@ -32,7 +32,9 @@ def default_tree(settings: DrafterSettings) -> str:
     return "searched-64" if "searched-64" in settings.trees else "gpu-63"
 
 
-def resolve_tree(name, settings: DrafterSettings | None = None) -> TreeSpec | DynamicTree:
+def resolve_tree(
+    name: str | TreeSpec | DynamicTree, settings: DrafterSettings | None = None
+) -> TreeSpec | DynamicTree:
     """A tree the drafter ships (its settings' trees) or a preset, by name; a TreeSpec or
     DynamicTree as given."""
     if isinstance(name, (TreeSpec, DynamicTree)):
@@ -119,7 +121,9 @@ class Drafter:
         options (`registry.Method.options`) given."""
         raise NotImplementedError
 
-    def select_tree(self, name, settings: DrafterSettings) -> TreeSpec | DynamicTree:
+    def select_tree(
+        self, name: str | TreeSpec | DynamicTree | None, settings: DrafterSettings
+    ) -> TreeSpec | DynamicTree:
         """The tree to verify: `name` (a preset or one of the drafter's own trees, or a tree
         built by hand), None: the drafter's default for this backend."""
         return resolve_tree(default_tree(settings) if name is None else name, settings)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import numbers
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, is_whole
 from jaxspec.errors import option as option_name
 
 # SDSAT's loops: the paper's draft step then verify step (the default), or adaptive chains
@@ -19,8 +18,7 @@ SDSAT_LOOPS = ("two-forward", "one-forward")
 
 
 def _whole(at_least: int, at_most: int | None = None):
-    return lambda v: (isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                      and at_least <= v <= (v if at_most is None else at_most))  # fmt: skip
+    return lambda v: is_whole(v) and at_least <= v <= (v if at_most is None else at_most)
 
 
 MAX_PPD_K = 16  # PPD runs k + 1 copies of the model, one a stage

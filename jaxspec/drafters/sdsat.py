@@ -122,7 +122,7 @@ class SdsatDrafter(Drafter):
         one_forward = sdsat_loop == "one-forward"
         return cls(cfg, settings.rank, settings.n_ids, one_forward)
 
-    def select_tree(self, name, settings: SdsatSettings) -> TreeSpec:
+    def select_tree(self, name: str | TreeSpec | None, settings: SdsatSettings) -> TreeSpec:
         """The one-forward loop takes presets only: the drafter's own trees were searched
         for the two-step loop (their depth 1 is the model's own token)."""
         if not self.one_forward:
