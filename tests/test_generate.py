@@ -95,9 +95,11 @@ def test_bad_lengths_are_clear_errors(tiny):
         gen.generate(list(range(3, 63)), 10)
     with pytest.raises(JaxspecError, match=r"max-new-tokens\) must be an integer >= 1"):
         gen.generate([4], 0)
-    with pytest.raises(JaxspecError, match=f"outside the model's context of {cfg.max_position}"):
+    with pytest.raises(
+        JaxspecError, match=f"integer from 1 to the model's context of {cfg.max_position} positions"
+    ):
         SpeculativeGenerator(cfg, params, max_len=cfg.max_position + 1)
-    with pytest.raises(JaxspecError, match=r"max_len \(--max-len\) 0 is outside"):
+    with pytest.raises(JaxspecError, match=r"max_len \(--max-len\) must be an integer .* got 0"):
         checked_max_len(0, cfg.max_position)
 
 
