@@ -41,7 +41,10 @@ def parse_args(argv=None):
         help=f"one of {', '.join(METHODS)}",
     )
     p.add_argument(
-        "--model", type=Path, help="jaxspec checkpoint folder (default: SmolLM2-135M-Instruct)"
+        "--model",
+        type=Path,
+        help="a jaxspec checkpoint folder, an HF model folder or a .gguf file "
+        "(default: SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--drafter", type=Path, help="drafter folder (default: the one shipped for the model)"

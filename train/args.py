@@ -93,8 +93,9 @@ def trainer_parser(
         )
     p.add_argument(
         "--mesh", type=mesh_flag,
-        help="data=D,model=M: each step's batch split over D devices, the frozen model over M "
-        "(on CPU the D*M virtual devices are set up for you; default: one device)",
+        help="data=D,model=M: each step's batch split over D devices (medusa, chimera, sdsat's "
+        "adapter; the others data=1), the frozen model over M (ppd takes no --mesh; on CPU the "
+        "D*M virtual devices are set up for you; default: one device)",
     )  # fmt: skip
     p.add_argument("--train-seqs", type=positive_int, default=train_seqs)
     p.add_argument("--test-seqs", type=positive_int, default=40)
