@@ -35,8 +35,8 @@ class Generator:
 
     drafter: a drafter folder (None: the one shipped for the model); tree: a tree preset or
     one the drafter ships, by name, or a TreeSpec (DynamicTree) built by hand (None: the
-    method's default for this backend); max_len: the most
-    positions a prompt and its answer may take (None: the model's context); products: how
+    method's default for this backend); max_len: the most positions a prompt and its
+    answer may take (None: the model's context); products: how
     bfloat16 weights multiply, "exact", "plain-prefill" or "plain" (jaxspec.decode.PRODUCTS;
     None: the backend's default, plain-prefill on a GPU, else exact). ppd_k / ppd_layer,
     firp_chains, sdsat_loop and retrieval (medusa, firp, chimera and eagle with a dynamic tree:
