@@ -191,6 +191,22 @@ def _free_compiled_programs():
     gc.collect()
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tiny_ckpt):
+    """tiny_ckpt's model, loaded in float32 by the public API."""
+    import jaxspec
+
+    return jaxspec.load_model(tiny_ckpt[0], dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_drafters(tiny_ckpt, tmp_path_factory):
+    """A folder of untrained drafters for tiny_ckpt, one a method (tests.test_api)."""
+    from tests.test_api import write_drafters
+
+    return write_drafters(tiny_ckpt[0], tmp_path_factory.mktemp("drafters"))
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """(jaxspec checkpoint folder, HF model) for a GQA model with a tokenizer."""

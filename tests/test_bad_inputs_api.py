@@ -14,22 +14,12 @@ import pytest
 
 import jaxspec
 from jaxspec.tree import DynamicTree, TreeSpec
-from tests.test_api import PROMPT, N, write_drafters
+from tests.test_api import PROMPT, N
 
 
 @pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return jaxspec.load_model(tiny_ckpt[0], dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def drafters(tiny_ckpt, tmp_path_factory):
-    return write_drafters(tiny_ckpt[0], tmp_path_factory.mktemp("drafters"))
-
-
-@pytest.fixture(scope="module")
-def ar(model):
-    return jaxspec.Generator(model, "ar")
+def ar(tiny_model):
+    return jaxspec.Generator(tiny_model, "ar")
 
 
 def refused(message: str, call, *args, **kwargs) -> None:
@@ -50,26 +40,26 @@ def refused(message: str, call, *args, **kwargs) -> None:
         ({"drafter": 5}, "drafter (--drafter) must be a path (str or Path), got int"),
     ],
 )
-def test_generator_arguments_of_the_wrong_kind(kwargs, message, model, drafters):
+def test_generator_arguments_of_the_wrong_kind(kwargs, message, tiny_model, tiny_drafters):
     if set(kwargs) <= {"max_len", "chat"}:
-        refused(message, jaxspec.Generator, model, "ar", **kwargs)
+        refused(message, jaxspec.Generator, tiny_model, "ar", **kwargs)
     else:
-        refused(message, jaxspec.Generator, model, "medusa", **{"drafter": drafters / "medusa",
-                                                                  **kwargs})  # fmt: skip
+        drafter = tiny_drafters / "medusa"
+        refused(message, jaxspec.Generator, tiny_model, "medusa", **{"drafter": drafter, **kwargs})
 
 
-def test_a_generator_needs_a_loaded_model_and_a_method_name(model, tiny_ckpt):
+def test_a_generator_needs_a_loaded_model_and_a_method_name(tiny_model, tiny_ckpt):
     for not_a_model in (None, str(tiny_ckpt[0])):
         refused("expected a loaded model (model = jaxspec.load_model(PATH))",
                 jaxspec.Generator, not_a_model, "ar")  # fmt: skip
         refused("expected a loaded model", jaxspec.load_drafter, not_a_model, "medusa")
-    refused("unknown method ['medusa']", jaxspec.Generator, model, ["medusa"])
+    refused("unknown method ['medusa']", jaxspec.Generator, tiny_model, ["medusa"])
 
 
-def test_load_model_and_load_drafter_paths(model, tiny_ckpt, tmp_path):
+def test_load_model_and_load_drafter_paths(tiny_model, tiny_ckpt, tmp_path):
     refused("the model's path is empty: pass a path, or None", jaxspec.load_model, "")
     refused("the model's path must be a path (str or Path), got int", jaxspec.load_model, 5)
-    refused("the drafter's path is empty", jaxspec.load_drafter, model, "medusa", "")
+    refused("the drafter's path is empty", jaxspec.load_drafter, tiny_model, "medusa", "")
     home = tmp_path / "home"
     with pytest.MonkeyPatch.context() as mp:  # `~` is the user's home, not a folder named ~
         mp.setenv("HOME", str(home))
@@ -93,11 +83,11 @@ def test_sampling_takes_numpy_seeds_and_float32_temperatures(ar):
                 ar.generate, PROMPT, N, temperature=t)  # fmt: skip
 
 
-def test_stream_refuses_what_cannot_fit_at_the_call(ar, model):
+def test_stream_refuses_what_cannot_fit_at_the_call(ar, tiny_model):
     """Before, these passed the call and failed on the first piece, from the thread."""
     refused("empty prompt", ar.stream, [], N)
-    refused("exceeds the limit", ar.stream, PROMPT, model.cfg.max_position)
-    refused("exceeds the limit", ar.stream, [5] * model.cfg.max_position, N)
+    refused("exceeds the limit", ar.stream, PROMPT, tiny_model.cfg.max_position)
+    refused("exceeds the limit", ar.stream, [5] * tiny_model.cfg.max_position, N)
 
 
 @pytest.mark.parametrize(
@@ -119,13 +109,13 @@ def test_a_tree_built_by_hand_is_checked(build, message):
     refused(message, build)
 
 
-def test_a_tree_built_by_hand_decodes_ars_tokens(model, drafters, ar):
+def test_a_tree_built_by_hand_decodes_ars_tokens(tiny_model, tiny_drafters, ar):
     assert TreeSpec([[1], [0], [0, 0]]).paths == ((0,), (1,), (0, 0))  # sorted, hashable
     expected = ar.generate(PROMPT, N).token_ids
     for method, tree in [("medusa", TreeSpec.comb(2, 10)), ("eagle", DynamicTree(8))]:
-        gen = jaxspec.Generator(model, method, drafter=drafters / method, tree=tree)
+        gen = jaxspec.Generator(tiny_model, method, drafter=tiny_drafters / method, tree=tree)
         assert gen.generate(PROMPT, N).token_ids == expected
     refused("tree (--tree) picks a draft tree; method 'ar' has none",
-            jaxspec.Generator, model, "ar", tree=TreeSpec.chain(1))  # fmt: skip
-    refused("tree depth 5 exceeds the drafter's 2 Medusa heads", jaxspec.Generator, model,
-            "medusa", drafter=drafters / "medusa", tree=TreeSpec.chain(5))  # fmt: skip
+            jaxspec.Generator, tiny_model, "ar", tree=TreeSpec.chain(1))  # fmt: skip
+    refused("tree depth 5 exceeds the drafter's 2 Medusa heads", jaxspec.Generator, tiny_model,
+            "medusa", drafter=tiny_drafters / "medusa", tree=TreeSpec.chain(5))  # fmt: skip

@@ -23,7 +23,6 @@ from jaxspec.topology import (
     tree_topology,
 )
 from jaxspec.tree import DynamicTree, tree_preset
-from tests.test_api import write_drafters
 
 
 def brute_force_scores(logits: np.ndarray, depth: int, width: int, calibration=()) -> np.ndarray:
@@ -113,45 +112,35 @@ def test_dynamic_tree_names_and_bad_sizes():
         tree_preset("dynamic-8-2-2")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return jaxspec.load_model(tiny_ckpt[0], dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def drafters(tiny_ckpt, tmp_path_factory):
-    return write_drafters(tiny_ckpt[0], tmp_path_factory.mktemp("drafters"))
-
-
 PROMPTS = ["w5 w9 w7 w11", "w8 w30 w8"]
 
 
 @pytest.mark.parametrize("method, tree", [("medusa", "dynamic-8"), ("medusa", "dynamic-16-2-10"),
                                           ("firp", "dynamic-8"), ("chimera", "dynamic-8"),
                                           ("chimera", "dynamic-12-2-6")])  # fmt: skip
-def test_dynamic_trees_decode_ars_tokens(model, drafters, method, tree):
-    ar = jaxspec.Generator(model).generate(PROMPTS, max_new_tokens=16)
-    gen = jaxspec.Generator(model, method, drafter=drafters / method, tree=tree)
+def test_dynamic_trees_decode_ars_tokens(tiny_model, tiny_drafters, method, tree):
+    ar = jaxspec.Generator(tiny_model).generate(PROMPTS, max_new_tokens=16)
+    gen = jaxspec.Generator(tiny_model, method, drafter=tiny_drafters / method, tree=tree)
     got = gen.generate(PROMPTS, max_new_tokens=16)
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
     assert sum(r.steps for r in got) < sum(r.steps for r in ar)  # drafts were accepted
 
 
-def test_drafters_of_fixed_trees_refuse_dynamic_ones(model, drafters):
+def test_drafters_of_fixed_trees_refuse_dynamic_ones(tiny_model, tiny_drafters):
     with pytest.raises(JaxspecError, match="chooses its nodes each step"):
-        jaxspec.Generator(model, "sdsat", drafter=drafters / "sdsat", tree="dynamic-8")
+        jaxspec.Generator(tiny_model, "sdsat", drafter=tiny_drafters / "sdsat", tree="dynamic-8")
     with pytest.raises(JaxspecError, match="pseudo chains go on every node"):
-        jaxspec.Generator(model, "firp", drafter=drafters / "firp", tree="dynamic-8",
+        jaxspec.Generator(tiny_model, "firp", drafter=tiny_drafters / "firp", tree="dynamic-8",
                           firp_chains=2)  # fmt: skip
 
 
 @pytest.mark.parametrize("method, retrieval", [("medusa", None), ("eagle", 2)])
-def test_export_dynamic_tree_step(model, drafters, method, retrieval):
+def test_export_dynamic_tree_step(tiny_model, tiny_drafters, method, retrieval):
     """The verify step with a topology chosen on device (with retrieved chains merged in
     by scatter-max) lowers for cuda and tpu."""
     from jaxspec.methods import build_generator
 
-    decoder = build_generator(model, method, drafters / method, tree="dynamic-8",
+    decoder = build_generator(tiny_model, method, tiny_drafters / method, tree="dynamic-8",
                               retrieval=retrieval)  # fmt: skip
     plan = decoder.lowerings(*decoder.example_inputs(2, 16, 64))
     exported = export.export_all({k: plan[k] for k in ("prefill", "step")})
@@ -306,15 +295,15 @@ def test_per_node_expansion_takes_confident_retrieved_chains(seed):
 
 
 @pytest.mark.parametrize("method", ["medusa", "firp", "chimera", "eagle"])
-def test_retrieval_candidates_decode_ars_tokens(model, drafters, method):
+def test_retrieval_candidates_decode_ars_tokens(tiny_model, tiny_drafters, method):
     """Repeating prompts: the untrained drafters' guesses are near uniform, so confident
     retrieved chains take nodes, and many steps accept more than lookup-free trees do."""
     prompts = ["w5 w9 w7 w11 w5 w9 w7 w11 w5 w9", "w8 w8 w8"]
-    ar = jaxspec.Generator(model).generate(prompts, max_new_tokens=16)
+    ar = jaxspec.Generator(tiny_model).generate(prompts, max_new_tokens=16)
     runs = {}
     for retrieval in (None, 2):
-        gen = jaxspec.Generator(model, method, drafter=drafters / method, tree="dynamic-8",
-                                retrieval=retrieval)  # fmt: skip
+        gen = jaxspec.Generator(tiny_model, method, drafter=tiny_drafters / method,
+                                tree="dynamic-8", retrieval=retrieval)  # fmt: skip
         runs[retrieval] = gen.generate(prompts, max_new_tokens=16)
         assert [r.token_ids for r in runs[retrieval]] == [r.token_ids for r in ar]
     steps = {r: sum(x.steps for x in got) for r, got in runs.items()}
@@ -337,16 +326,16 @@ def test_own_scores_are_the_measured_confidences():
     assert np.all(np.asarray(none.own_scores(jnp.array([[3]]), 2)) == -np.inf)
 
 
-def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_dynamic_trees(model, drafters):
+def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_dynamic_trees(tiny_model, tiny_drafters):
     from jaxspec.drafters.registry import parse_row
 
     with pytest.raises(JaxspecError, match="retrieval candidates join dynamic trees"):
-        jaxspec.Generator(model, "medusa", drafter=drafters / "medusa", tree="cpu-8",
+        jaxspec.Generator(tiny_model, "medusa", drafter=tiny_drafters / "medusa", tree="cpu-8",
                           retrieval=2)  # fmt: skip
     with pytest.raises(
         JaxspecError, match=r"retrieval \(--retrieval\) applies to method medusa, firp, chim"
     ):
-        jaxspec.Generator(model, "sdsat", drafter=drafters / "sdsat", retrieval=2)
+        jaxspec.Generator(tiny_model, "sdsat", drafter=tiny_drafters / "sdsat", retrieval=2)
     assert parse_row("eagle@dynamic-16+2:bfloat16") == (
         "eagle",
         {"tree": "dynamic-16", "retrieval": 2},
@@ -357,7 +346,7 @@ def test_retrieval_needs_a_dynamic_tree_and_a_drafter_with_dynamic_trees(model, 
 
 
 @pytest.mark.parametrize("method", ["chimera", "eagle"])
-def test_per_node_expansion_of_one_guess_a_node_is_the_top1_chain(model, method):
+def test_per_node_expansion_of_one_guess_a_node_is_the_top1_chain(tiny_model, method):
     """dynamic-4-3-1 (one guess a node: the frontier is the top-1 path) drafts exactly
     the static chain-3's tokens (per-node expansion computes what static drafting does)."""
     from jaxspec.decode import prefill_and_draft
@@ -366,7 +355,7 @@ def test_per_node_expansion_of_one_guess_a_node_is_the_top1_chain(model, method)
     from tests.test_chimera import random_chimera
     from tests.test_eagle import trained_like
 
-    cfg, params = model.cfg, model.params
+    cfg, params = tiny_model.cfg, tiny_model.params
     if method == "chimera":
         drafter, dparams = random_chimera(cfg, params, n_heads=3)
     else:
@@ -447,7 +436,7 @@ def test_a_calibration_above_one_is_capped_so_parents_stay_chosen():
     assert draft.depth.tolist() == [[1]] and draft.tokens.tolist() == [[0]]
 
 
-def test_per_node_expansion_ranks_the_roots_guesses_as_static_drafting(model):
+def test_per_node_expansion_ranks_the_roots_guesses_as_static_drafting(tiny_model):
     """dynamic-13-1-12 (the root's 12 best guesses, best first) drafts what the static
     comb-1-12 (ranks 0..11 of depth 1) does: the same guesses, in the same order (the
     root's entry run at the same position)."""
@@ -455,7 +444,7 @@ def test_per_node_expansion_ranks_the_roots_guesses_as_static_drafting(model):
     from jaxspec.sampling import Sampling
     from tests.test_chimera import random_chimera
 
-    cfg, params = model.cfg, model.params
+    cfg, params = tiny_model.cfg, tiny_model.params
     drafter, dparams = random_chimera(cfg, params, n_heads=3)
     tokens = jnp.asarray([[5, 9, 7, 11, 5, 2], [8, 30, 8, 0, 0, 0]])
     drafts = {}
