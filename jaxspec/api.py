@@ -71,7 +71,7 @@ class Generator:
             raise JaxspecError(f"chat must be True or False, got {chat!r}")
         self.model, self.method, self.chat = model, method, chat
         self._options = dict(
-            drafter_dir=given_path(drafter, option("drafter")), tree=tree,
+            drafter_dir=drafter, tree=tree,
             max_len=max_len, products=products, ppd_k=ppd_k, ppd_layer=ppd_layer,
             firp_chains=firp_chains, sdsat_loop=sdsat_loop, retrieval=retrieval,
         )  # fmt: skip

@@ -77,11 +77,6 @@ class TreeSpec:
         object.__setattr__(self, "paths", tuple(normal))
 
     @classmethod
-    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreeSpec:
-        """TreeSpec(paths), by a name that says what it takes."""
-        return cls(paths)
-
-    @classmethod
     def chain(cls, depth: int, name: str = "") -> TreeSpec:
         """Top-1 guesses only: a chain of `depth` drafted tokens."""
         check_depth(depth, f"chain-{depth}")
@@ -189,7 +184,7 @@ def search_tree(accuracy: np.ndarray, n_nodes: int) -> TreeSpec:
         if len(path) < depth_max:
             for r in range(k):
                 heapq.heappush(frontier, (neg_value * accuracy[len(path), r], path + (r,)))
-    return TreeSpec.from_paths(chosen)
+    return TreeSpec(chosen)
 
 
 def per_rank_accuracy(topk_accuracy) -> np.ndarray:

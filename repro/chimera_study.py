@@ -156,7 +156,7 @@ def part_timeshare(args, model) -> dict:
     result = {"ar_ms_per_step": round(min(r.decode_s / (r.steps - 1) for r in runs) * 1e3, 2)}
     for tree_name in ("chain-1", "searched-8", "searched-16"):
         paths = settings.trees.get(tree_name, [[0]])
-        tree = TreeSpec.from_paths(paths)
+        tree = TreeSpec(paths)
         times = {}
         for label, drafter, dparams in (("step", chimera, params), ("verify", NoDrafter(), None)):
             gen = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, tree)

@@ -97,9 +97,9 @@ def test_stream_refuses_what_cannot_fit_at_the_call(ar, tiny_model):
         (lambda: TreeSpec(((-1,),)), "path (-1,) must be a non-empty sequence of integer ranks"),
         (lambda: TreeSpec(((),)), "path () must be a non-empty sequence"),
         (lambda: TreeSpec("abc"), "invalid tree: paths are a sequence of paths, got 'abc'"),
-        (lambda: TreeSpec.from_paths([(0.5,)]), "path (0.5,) must be"),  # once rank 0
-        (lambda: TreeSpec.from_paths([0, 1]), "a path is a sequence of ranks, got 0"),
-        (lambda: TreeSpec.from_paths([(0,), (0,)]), "a path is listed twice"),
+        (lambda: TreeSpec([(0.5,)]), "path (0.5,) must be"),  # once rank 0
+        (lambda: TreeSpec([0, 1]), "a path is a sequence of ranks, got 0"),
+        (lambda: TreeSpec([(0,), (0,)]), "a path is listed twice"),
         (lambda: TreeSpec.chain(0), "tree chain-0: its depth must be an integer >= 1"),
         (lambda: TreeSpec.comb(2, 0), "tree comb-2-0: its width must be an integer >= 1"),
         (lambda: DynamicTree(8.5), "got nodes=8.5, depth=0, width=8"),

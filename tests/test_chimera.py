@@ -119,7 +119,7 @@ def test_drafting_computes_what_training_trains(ngram, residual):
         drafter, params, dparams, drafter.init_state(cfg, 1, 16, jnp.float32), seq[:, :p], 0, p,
         h, seq[0, p],
     )  # fmt: skip
-    tree = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0), (1, 1, 0)])
+    tree = TreeSpec([(0,), (1,), (2,), (0, 0), (1, 0), (1, 1), (2, 0), (1, 1, 0)])
     L = cfg.n_layers
     inputs = DraftInputs({L: h[:, p - 1]}, seq[:, p], jnp.asarray([p]), state=state)
     candidates, logits = drafter.draft_tree(params, dparams, inputs, tree)
@@ -212,7 +212,7 @@ def test_chimera_training_resumes_and_ships_a_lossless_drafter(trained_chimera):
     prompt = [5, 9, 11, 30, 7]
     ar = SpeculativeGenerator(model.cfg, model.params).generate(prompt, 24).token_ids
     for tree in ("chain-2", settings.trees["searched-8"]):
-        spec = tree_preset(tree) if isinstance(tree, str) else TreeSpec.from_paths(tree)
+        spec = tree_preset(tree) if isinstance(tree, str) else TreeSpec(tree)
         gen = SpeculativeGenerator(model.cfg, model.params, drafter, dparams, spec)
         assert gen.generate(prompt, 24).token_ids == ar
 

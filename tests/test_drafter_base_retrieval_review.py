@@ -46,7 +46,7 @@ def test_the_default_tree_per_backend(monkeypatch):
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         got = [default_tree(s) for s in (bare, searched, own)]
         assert got == ["gpu-63", "searched-64", "cpu-16"]
-    assert Drafter().select_tree(None, searched) == TreeSpec.from_paths([[0]])
+    assert Drafter().select_tree(None, searched) == TreeSpec([[0]])
 
 
 def test_a_drafters_own_tree_shadows_the_preset_of_its_name():
@@ -96,7 +96,7 @@ def test_dynamic_drafting_uses_the_drafters_calibration_and_retrieved_chains():
 def test_static_trees_take_each_depths_guess_of_their_rank():
     """tree_candidates: the node at depth d and rank r gets depth d's rank-r guess."""
     logits = jnp.array([[[0.0, 1.0, 3.0, 0.5, 4.0, 2.0], [2.0, 5.0, 0.0, 4.0, 1.0, 3.0]]])
-    tree = TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1), (0, 2)])
+    tree = TreeSpec([(0,), (1,), (0, 0), (0, 1), (0, 2)])
     assert tree_candidates(logits, tree).tolist() == [[4, 2, 1, 3, 5]]
 
 

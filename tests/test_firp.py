@@ -44,7 +44,7 @@ def test_chain_mask_literal():
 
 def test_joint_mask_and_positions_literal():
     """Tree root + two rank siblings at depth 1 (nodes 0,1,2), chains of 2 on every node."""
-    tree = TreeSpec.from_paths([(0,), (1,)])
+    tree = TreeSpec([(0,), (1,)])
     new_mask = jnp.asarray(tree.mask)[None]
     anchors = jnp.arange(3)[None]
     mask = np.asarray(joint_mask(new_mask, anchors, 2))[0].astype(int)
@@ -154,7 +154,7 @@ def test_greedy_firp_is_lossless(tree_name, n_chains, name):
 
 
 def test_last_accepted_probability_literal():
-    tree = TreeSpec.from_paths([(0,), (1,), (0, 0)])  # nodes: root, (0,), (1,), (0, 0)
+    tree = TreeSpec([(0,), (1,), (0, 0)])  # nodes: root, (0,), (1,), (0, 0)
     # Per rank: depth 1 rank 0 / 1 right with 0.5 / 0.2; depth 2 rank 0 with 0.4.
     got = last_accepted_probability(tree, [[0.5, 0.7], [0.4, 0.6]])
     # Reached: 1, 0.5, 0.2, 0.5 * 0.4; last: minus what a child reaches.
@@ -259,7 +259,7 @@ def test_firp_training_resumes_and_ships_a_lossless_drafter(trained_firp):
     assert spec.generate(prompt, 24).token_ids == ar
     # Its measured accuracies place chains on the likeliest nodes of its own trees.
     assert data["test_topk_accuracy"].tolist() == second["test_topk_accuracy"]
-    tree = TreeSpec.from_paths(settings.trees["searched-8"])
+    tree = TreeSpec(settings.trees["searched-8"])
     sparse = drafter.for_tree(tree, settings, data, firp_chains=3)
     assert len(sparse.chain_nodes) == 3
     spec = SpeculativeGenerator(model.cfg, model.params, sparse, dparams, tree)

@@ -200,7 +200,7 @@ def test_sdsat_training_resumes_and_ships_a_lossless_drafter(trained_sdsat):
     assert topk.shape == (3, 5) and np.all(np.diff(topk, axis=1) >= 0)
     np.testing.assert_allclose(topk[:, 0], second["test"]["top1_per_depth"])
     for name, paths in settings.trees.items():  # depth 1 is the model's own: rank 0 only
-        assert TreeSpec.from_paths(paths).n_nodes <= int(name.split("-")[1])
+        assert TreeSpec(paths).n_nodes <= int(name.split("-")[1])
         assert [p for p in paths if len(p) == 1] == [[0]]
         gen = build_generator(model, "sdsat", out, tree=name)
         assert gen.generate(prompt, 24).token_ids == ar

@@ -33,7 +33,7 @@ TREES = ["chain-4", "cpu-8", "cpu-16", "cpu-24"]
 
 
 def test_tree_constants_literal():
-    tree = TreeSpec.from_paths([(1,), (0, 0), (0,)])
+    tree = TreeSpec([(1,), (0, 0), (0,)])
     assert tree.paths == ((0,), (1,), (0, 0))
     np.testing.assert_array_equal(tree.depth, [0, 1, 1, 2])
     np.testing.assert_array_equal(tree.parent, [-1, 0, 0, 1])
@@ -42,7 +42,7 @@ def test_tree_constants_literal():
     )
     np.testing.assert_array_equal(tree.retrieve, [[0, 2, -1], [0, 1, 3]])
     np.testing.assert_array_equal(tree.children, [[1, 2], [3, -1], [-1, -1], [-1, -1]])
-    assert hash(tree) == hash(TreeSpec.from_paths([(0,), (1,), (0, 0)]))
+    assert hash(tree) == hash(TreeSpec([(0,), (1,), (0, 0)]))
 
 
 def test_empty_tree_is_ar():
@@ -62,7 +62,7 @@ def test_empty_tree_is_ar():
 )
 def test_bad_trees_are_clear_errors(paths, message):
     with pytest.raises(JaxspecError, match=message):
-        TreeSpec.from_paths(paths)
+        TreeSpec(paths)
     with pytest.raises(JaxspecError, match="unknown tree"):
         tree_preset("nope")
 
@@ -333,7 +333,7 @@ def test_a_drafted_token_outside_the_support_is_never_accepted(monkeypatch):
     bonus token is drawn from the support; a token of positive probability is accepted."""
     real_uniform = jax.random.uniform
     monkeypatch.setattr(jax.random, "uniform", lambda key, shape, *a, **k: jnp.zeros(shape))
-    tree = TreeSpec.from_paths([(0,), (1,)])  # two children of the root
+    tree = TreeSpec([(0,), (1,)])  # two children of the root
     topo = static_topology(tree, 2)
     logits = jnp.array([0.0, 3.0, 2.0, 1.0, -1.0, -2.0])[None, None].repeat(3, 1).repeat(2, 0)
     s = Sampling(1.0, top_k=2)  # support {1, 2}
@@ -351,7 +351,7 @@ def test_a_drafted_token_outside_the_support_is_never_accepted(monkeypatch):
 def test_accept_greedy_literal():
     """paths (0,) (1,) (0,0): nodes 1, 2 under the root, 3 under 1. The model's argmax is
     2 at the root, 4 at node 1, 0 at node 2 and 1 at node 3."""
-    tree = TreeSpec.from_paths([(0,), (1,), (0, 0)])
+    tree = TreeSpec([(0,), (1,), (0, 0)])
     topo = static_topology(tree, 3)
     argmax = jnp.array([2, 4, 0, 1])
     logits = jax.nn.one_hot(argmax, 6)[None].repeat(3, 0)  # [B,T,V]

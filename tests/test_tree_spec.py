@@ -17,7 +17,7 @@ from jaxspec.tree import DynamicTree, TreeSpec, reach_probability, tree_preset
 def test_a_tree_past_the_measured_accuracy_reaches_nothing_there():
     """Nodes deeper or of higher rank than the accuracy measured are never reached (and
     neither are their children); the others multiply their path's per-rank accuracies."""
-    tree = TreeSpec.from_paths([(0,), (1,), (2,), (0, 0), (0, 0, 0)])
+    tree = TreeSpec([(0,), (1,), (2,), (0, 0), (0, 0, 0)])
     cumulative = [[0.5, 0.7], [0.4, 0.6]]  # depth 1 and 2, top-1 and top-2
     reach = reach_probability(tree, cumulative)
     np.testing.assert_allclose(reach, [1, 0.5, 0.2, 0, 0.5 * 0.4, 0])

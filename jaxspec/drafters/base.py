@@ -41,7 +41,7 @@ def resolve_tree(
         return name
     own = settings.trees if settings is not None else {}
     if isinstance(name, str) and name in own:
-        return TreeSpec.from_paths(own[name])
+        return TreeSpec(own[name])
     try:
         return tree_preset(name)
     except JaxspecError as e:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from jaxspec.errors import JaxspecError
 
-TreePaths = list[list[int]]  # a tree as its non-root nodes' paths of ranks (TreeSpec.from_paths)
+TreePaths = list[list[int]]  # a tree as its non-root nodes' paths of ranks (TreeSpec(paths))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
